@@ -1,0 +1,370 @@
+"""Pure math of HybridMuon: routing, Newton–Schulz variants, Magma-lite, update rules.
+
+Nothing here keeps state between calls or imports deepmd; every function takes
+tensors and numbers and returns tensors (or mutates the tensors it is handed, when
+its name ends in ``_``). The optimizer in :mod:`deepmd_hybridmuon.optimizer` is a
+thin stateful shell around these functions.
+
+Constants carry the name of the work they come from. Numerical choices (dtypes,
+order of operations) follow deepmd-kit 3.2.0's built-in HybridMuon so that both
+optimizers produce the same trajectories up to low-precision rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "ADAM_EPS",
+    "GRAM_RESTART_ITERATIONS",
+    "MAGMA_EMA_DECAY",
+    "MAGMA_INITIAL_SCORE",
+    "MAGMA_MIN_SCALE",
+    "MAGMA_TAU",
+    "MUON_MODES",
+    "NS_EPS",
+    "NS_FAST_COEFFS",
+    "NS_FAST_STEPS",
+    "NS_POLISH_COEFFS",
+    "NS_POLISH_STEPS",
+    "POLAR_EXPRESS_COEFFS",
+    "ParamRoute",
+    "adam_update_",
+    "effective_shape",
+    "gram_newton_schulz",
+    "leaf_name",
+    "magma_raw_score",
+    "matrix_view",
+    "muon_scale",
+    "name_route",
+    "nesterov_momentum_",
+    "newton_schulz",
+    "orthogonalize",
+    "route_parameter",
+]
+
+Route = Literal["muon", "adam", "adamw"]
+MuonMode = Literal["2d", "flat", "slice"]
+
+#: The three ways a tensor of rank >= 2 can be seen as matrices (see :func:`matrix_view`).
+MUON_MODES: tuple[str, ...] = ("2d", "flat", "slice")
+
+# ---------------------------------------------------------------------------
+# Newton–Schulz constants
+# ---------------------------------------------------------------------------
+
+#: Quintic Newton–Schulz coefficients (a, b, c) of Keller Jordan's Muon (2024):
+#: they push every singular value of a normalised matrix into roughly [0.7, 1.2]
+#: within a handful of iterations.
+NS_FAST_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+#: Iterations with :data:`NS_FAST_COEFFS` (DeepSeek-V4 technical report, §2.4).
+NS_FAST_STEPS: int = 8
+#: Classical cubic Newton–Schulz step for the polar factor written as a quintic
+#: with c = 0.5: x -> 2x - 1.5x^3 + 0.5x^5 has a fixed point of slope 0 at x = 1,
+#: so it pins the singular values left by the fast stage to 1.
+NS_POLISH_COEFFS: tuple[float, float, float] = (2.0, -1.5, 0.5)
+#: Iterations with :data:`NS_POLISH_COEFFS` (DeepSeek-V4, §2.4).
+NS_POLISH_STEPS: int = 2
+#: Floor of the Frobenius norm before normalisation, so that X0 = G/||G|| stays finite.
+NS_EPS: float = 1e-7
+
+#: Safety factor of the Gram Newton–Schulz reference (Dao-AILab/gram-newton-schulz):
+#: the Polar Express polynomials are evaluated at x/1.05, which keeps them stable
+#: under half-precision rounding of singular values slightly above 1.
+GRAM_SAFETY_FACTOR: float = 1.05
+#: Polar Express coefficients (Amsel, Persson, Musco & Gower, 2025), five steps.
+_POLAR_EXPRESS_RAW: tuple[tuple[float, float, float], ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+)
+#: p(x) = a x + b x^3 + c x^5 evaluated at x / s: (a / s, b / s^3, c / s^5).
+POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = tuple(
+    (a / GRAM_SAFETY_FACTOR, b / GRAM_SAFETY_FACTOR**3, c / GRAM_SAFETY_FACTOR**5)
+    for a, b, c in _POLAR_EXPRESS_RAW
+)
+#: Iteration indices before which the Gram iteration re-forms X and its Gram
+#: matrix from the accumulated transform, bounding fp16 error growth
+#: (Dao-AILab/gram-newton-schulz uses a restart after the second step).
+GRAM_RESTART_ITERATIONS: frozenset[int] = frozenset({2})
+
+# ---------------------------------------------------------------------------
+# Adam and Magma constants
+# ---------------------------------------------------------------------------
+
+#: Adam denominator epsilon of DeepSeek-V4 (§2.4): tiny, so that the second moment
+#: and not the floor sets the step, even for parameters with very small gradients.
+ADAM_EPS: float = 1e-20
+
+#: Magma (arXiv:2602.15322) temperature of the sigmoid applied to cos(m, g).
+MAGMA_TAU: float = 2.0
+#: EMA decay of the per-block alignment score (deepmd-kit's Magma-lite).
+MAGMA_EMA_DECAY: float = 0.9
+#: Smallest multiplier of a Muon block update (Magma-lite never skips a block).
+MAGMA_MIN_SCALE: float = 0.1
+#: Score of a block before any gradient was seen: neutral alignment.
+MAGMA_INITIAL_SCORE: float = 0.5
+#: Floor of |m| * |g| in the cosine, for zero gradients or momenta.
+MAGMA_EPS: float = 1e-12
+#: sigmoid(-1/tau) and sigmoid(1/tau): the range of sigmoid(cos/tau), stretched to [0, 1].
+MAGMA_SIGMOID_LOW: float = 1.0 / (1.0 + math.exp(1.0 / MAGMA_TAU))
+MAGMA_SIGMOID_HIGH: float = 1.0 / (1.0 + math.exp(-1.0 / MAGMA_TAU))
+
+
+# ---------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamRoute:
+    """Where one parameter goes.
+
+    Attributes
+    ----------
+    route
+        ``"muon"``, ``"adam"`` (no weight decay) or ``"adamw"`` (decoupled decay).
+    view
+        ``(batch, rows, cols)``: the matrices Muon orthogonalises, for ``"muon"``;
+        ``None`` otherwise.
+    reason
+        A short human-readable reason, for logs and ``dp-hybridmuon check``.
+    """
+
+    route: Route
+    view: tuple[int, int, int] | None
+    reason: str
+
+
+def leaf_name(name: str) -> str:
+    """Return the last dot-separated segment of ``name`` that is not all digits, lower-cased.
+
+    ``"layers.0.weight"`` -> ``"weight"``; ``"adam_scales.3"`` -> ``"adam_scales"``
+    (indices of a ``ParameterList`` are skipped).
+    """
+    segments = name.lower().split(".")
+    idx = len(segments) - 1
+    while idx > 0 and segments[idx].isdigit():
+        idx -= 1
+    return segments[idx]
+
+
+def name_route(name: str | None) -> Route:
+    """Route forced by a parameter's name, or ``"muon"`` when the name forces nothing.
+
+    Rules on :func:`leaf_name`: ``b`` or containing ``bias`` -> Adam; prefix ``adam_``
+    -> Adam; prefix ``adamw_`` -> AdamW. A parameter without a name forces nothing.
+    """
+    if name is None:
+        return "muon"
+    leaf = leaf_name(name)
+    if leaf == "b" or "bias" in leaf or leaf.startswith("adam_"):
+        return "adam"
+    if leaf.startswith("adamw_"):
+        return "adamw"
+    return "muon"
+
+
+def effective_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """Drop the size-1 dimensions of ``shape``; a shape of only ones becomes ``(1,)``."""
+    kept = tuple(int(d) for d in shape if int(d) != 1)
+    return kept if kept else (1,)
+
+
+def matrix_view(eff_shape: tuple[int, ...], muon_mode: str) -> tuple[int, int, int] | None:
+    """Matrices that Muon sees in a tensor of effective shape ``eff_shape``.
+
+    Parameters
+    ----------
+    eff_shape
+        Shape without size-1 dimensions (see :func:`effective_shape`).
+    muon_mode
+        ``"2d"``: rank 2 only. ``"flat"``: one ``(prod(leading), last)`` matrix.
+        ``"slice"``: a batch of the trailing ``(rows, cols)`` matrices.
+
+    Returns
+    -------
+    tuple[int, int, int] | None
+        ``(batch, rows, cols)``, or ``None`` when the mode gives no matrix view.
+    """
+    if muon_mode not in MUON_MODES:
+        raise ValueError(f"Invalid muon_mode: {muon_mode!r}; expected one of '2d', 'flat', 'slice'")
+    if len(eff_shape) < 2:
+        return None
+    if len(eff_shape) == 2:
+        return (1, eff_shape[0], eff_shape[1])
+    if muon_mode == "2d":
+        return None
+    if muon_mode == "flat":
+        return (1, math.prod(eff_shape[:-1]), eff_shape[-1])
+    return (math.prod(eff_shape[:-2]), eff_shape[-2], eff_shape[-1])
+
+
+def route_parameter(name: str | None, shape: tuple[int, ...] | torch.Size, muon_mode: str) -> ParamRoute:
+    """Route of a parameter from its name and shape (the rules of deepmd-kit 3.2.0).
+
+    1. The name forces Adam (``b``, ``*bias*``, ``adam_*``) or AdamW (``adamw_*``).
+    2. Effective rank < 2 -> Adam.
+    3. No matrix view in ``muon_mode`` -> AdamW.
+    4. Otherwise Muon on the matrix view.
+    """
+    forced = name_route(name)
+    if forced != "muon":
+        return ParamRoute(forced, None, "name")
+    eff = effective_shape(shape)
+    if len(eff) < 2:
+        return ParamRoute("adam", None, "rank<2")
+    view = matrix_view(eff, muon_mode)
+    if view is None:
+        return ParamRoute("adamw", None, f"no matrix view in {muon_mode!r}")
+    return ParamRoute("muon", view, "matrix")
+
+
+# ---------------------------------------------------------------------------
+# Newton–Schulz orthogonalisation
+# ---------------------------------------------------------------------------
+
+
+def newton_schulz(G: torch.Tensor) -> torch.Tensor:
+    """Approximate polar factor of each matrix of ``G`` (shape ``(batch, m, n)``), in bfloat16.
+
+    X0 = G / ||G||_F (per matrix, wide orientation), then
+    X <- a X + (b A + c A^2) X with A = X X^T: :data:`NS_FAST_STEPS` iterations with
+    :data:`NS_FAST_COEFFS` and :data:`NS_POLISH_STEPS` with :data:`NS_POLISH_COEFFS`.
+    Zero rows or columns stay zero, so zero padding commutes with this function.
+    """
+    X = G.to(torch.bfloat16)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+    schedule = [NS_FAST_COEFFS] * NS_FAST_STEPS + [NS_POLISH_COEFFS] * NS_POLISH_STEPS
+    for a, b, c in schedule:
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+    return X.mT if tall else X
+
+
+def gram_newton_schulz(G: torch.Tensor) -> torch.Tensor:
+    """Polar factor of each matrix of ``G`` (``(batch, m, n)``) by Gram Newton–Schulz.
+
+    The iteration X <- p_k(X X^T) X with p_k(R) = a_k I + b_k R + c_k R^2 is carried out on
+    the small Gram matrix R = X X^T (wide orientation, m <= n): with Z = b R + c R^2,
+    the transform Q accumulates Q <- Q (Z + a I) and R <- (Z + a I) R (Z + a I), so X itself is
+    touched only when the iteration restarts (:data:`GRAM_RESTART_ITERATIONS`) and at the
+    end, X_out = Q X. Normalisation in float32, iteration in float16 with
+    :data:`POLAR_EXPRESS_COEFFS`. Returns the dtype of ``G``.
+    """
+    out_dtype = G.dtype
+    X = G.to(torch.float32)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)).to(torch.float16)
+
+    R = torch.bmm(X, X.mT)
+    eye = torch.eye(R.size(-1), dtype=R.dtype, device=R.device).expand_as(R)
+    Q: torch.Tensor | None = None
+    last = len(POLAR_EXPRESS_COEFFS) - 1
+    for k, (a, b, c) in enumerate(POLAR_EXPRESS_COEFFS):
+        restart = k in GRAM_RESTART_ITERATIONS
+        if restart and Q is not None:
+            X = torch.bmm(Q, X)
+            R = torch.bmm(X, X.mT)
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)
+        Q = Z + a * eye if (Q is None or restart) else torch.baddbmm(Q, Q, Z, beta=a, alpha=1.0)
+        if k < last and (k + 1) not in GRAM_RESTART_ITERATIONS:
+            RP = torch.baddbmm(R, R, Z, beta=a, alpha=1.0)  # R (a I + Z)
+            R = torch.baddbmm(RP, Z, RP, beta=a, alpha=1.0)  # (a I + Z) R (a I + Z)
+    assert Q is not None  # the coefficient table is not empty
+    X = torch.bmm(Q, X)
+    X = X.mT if tall else X
+    return X.to(out_dtype)
+
+
+def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
+    """Orthogonalise a ``(batch, m, n)`` stack: Gram path for rectangular matrices when
+    ``use_gram``, else the bf16 standard path (square matrices always take it)."""
+    if use_gram and G.size(-1) != G.size(-2):
+        return gram_newton_schulz(G)
+    return newton_schulz(G)
+
+
+# ---------------------------------------------------------------------------
+# Update rules
+# ---------------------------------------------------------------------------
+
+
+def muon_scale(rows: int, cols: int, lr_adjust: float, lr_adjust_coeff: float) -> float:
+    """Multiplier of the orthogonalised update.
+
+    ``lr_adjust <= 0``: ``lr_adjust_coeff * sqrt(max(rows, cols))`` (match the RMS of an
+    Adam update, Moonlight/DeepSeek-V4); ``lr_adjust > 0``: ``sqrt(max(1, rows / cols))``.
+    """
+    if lr_adjust <= 0:
+        return lr_adjust_coeff * math.sqrt(float(max(rows, cols)))
+    return max(1.0, rows / cols) ** 0.5
+
+
+def nesterov_momentum_(buf: torch.Tensor, grad: torch.Tensor, momentum: float) -> torch.Tensor:
+    """m <- beta m + (1 - beta) g in place; return the Nesterov look-ahead beta m + (1 - beta) g."""
+    buf.lerp_(grad, 1.0 - momentum)
+    return torch.lerp(grad, buf, momentum)
+
+
+def magma_raw_score(momentum: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Stretched-sigmoid alignment of momentum and gradient per block, in [0, 1].
+
+    ``momentum`` and ``grad`` have shape ``(blocks, k)``; the cosine of each row pair is
+    mapped through sigmoid(cos / tau) and stretched from [sigmoid(-1/tau), sigmoid(1/tau)]
+    to [0, 1]. Computed in float32.
+    """
+    m = momentum.to(torch.float32)
+    g = grad.to(torch.float32)
+    dot = (m * g).sum(dim=-1)
+    denom = (m.norm(dim=-1) * g.norm(dim=-1)).clamp(min=MAGMA_EPS)
+    cos = (dot / denom).clamp(-1.0, 1.0)
+    s = torch.sigmoid(cos / MAGMA_TAU)
+    return ((s - MAGMA_SIGMOID_LOW) / (MAGMA_SIGMOID_HIGH - MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
+
+
+def magma_scale_(score: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """EMA ``score`` towards ``raw`` in place; return the block multipliers in [0.1, 1]."""
+    score.mul_(MAGMA_EMA_DECAY).add_(raw, alpha=1.0 - MAGMA_EMA_DECAY)
+    return MAGMA_MIN_SCALE + (1.0 - MAGMA_MIN_SCALE) * score
+
+
+def adam_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    beta1_pow: float,
+    beta2_pow: float,
+    lr: float,
+    decay_factor: float | None,
+) -> None:
+    """One Adam(W) step on ``param`` with float32 moments.
+
+    ``beta*_pow`` are beta^t for the current step t (already multiplied in).
+    ``decay_factor`` (``1 - lr * weight_decay``) multiplies the parameter first
+    (decoupled decay); ``None`` for no decay.
+    """
+    if decay_factor is not None:
+        param.mul_(decay_factor)
+    g = grad.to(torch.float32)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.lerp_(g * g, 1.0 - beta2)
+    step_size = lr / (1.0 - beta1_pow)
+    denom = (exp_avg_sq / (1.0 - beta2_pow)).sqrt().add_(ADAM_EPS)
+    param.add_((-step_size * (exp_avg / denom)).to(param.dtype))

@@ -1,0 +1,386 @@
+"""The HybridMuon optimizer: validation, state, and the step.
+
+The math lives in :mod:`deepmd_hybridmuon.functional`; this module decides which
+rule each parameter gets, keeps the per-parameter state in the layout of
+deepmd-kit 3.2.0's built-in optimizer, and checks every user input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.optim.optimizer import Optimizer
+
+from . import functional as F
+
+__all__ = ["HybridMuonOptimizer"]
+
+#: Keys of a param_group: exactly those of deepmd-kit 3.2.0, so checkpoints move both ways.
+GROUP_KEYS: tuple[str, ...] = (
+    "lr",
+    "momentum",
+    "weight_decay",
+    "adam_betas",
+    "lr_adjust",
+    "lr_adjust_coeff",
+    "muon_mode",
+    "enable_gram",
+    "magma_muon",
+)
+#: Keys other code may add to a param_group: torch's schedulers and named groups.
+_FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
+#: State tensors kept in float32 whatever the parameter dtype (torch's load_state_dict
+#: casts them to the parameter dtype; we cast them back).
+_FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_number(key: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real in [low, high] (or [low, high))."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+        number = float(value)
+    elif _is_real(value):
+        number = float(value)
+    else:
+        raise ValueError(f"Invalid {key}: {value!r}; expected a real number")
+    if not math.isfinite(number):
+        raise ValueError(f"Invalid {key}: {value!r}; expected a finite number")
+    if number < low or (high is not None and (number >= high if high_open else number > high)):
+        bracket = ")" if high_open else "]"
+        upper = "inf)" if high is None else f"{high:g}{bracket}"
+        raise ValueError(f"Invalid {key}: {value!r}; expected a value in [{low:g}, {upper}")
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    """Check every hyperparameter of one param_group; raise ``ValueError`` naming the bad one."""
+    unknown = sorted(set(group) - set(GROUP_KEYS) - _FOREIGN_GROUP_KEYS)
+    if unknown:
+        raise ValueError(f"Unknown param_group keys: {unknown}; expected a subset of {list(GROUP_KEYS)}")
+    _check_number("lr", group["lr"], low=0.0)
+    _check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
+    _check_number("weight_decay", group["weight_decay"], low=0.0)
+    betas = group["adam_betas"]
+    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
+        raise ValueError(f"Invalid adam_betas: {betas!r}; expected a pair (beta1, beta2)")
+    _check_number("adam_betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
+    _check_number("adam_betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
+    _check_number("lr_adjust", group["lr_adjust"], low=-math.inf)
+    _check_number("lr_adjust_coeff", group["lr_adjust_coeff"], low=0.0)
+    mode = group["muon_mode"]
+    if not isinstance(mode, str) or mode.lower() not in F.MUON_MODES:
+        raise ValueError(f"Invalid muon_mode: {mode!r}; expected one of '2d', 'flat', 'slice'")
+    group["muon_mode"] = mode.lower()
+    for key in ("enable_gram", "magma_muon"):
+        if not isinstance(group[key], bool):
+            raise ValueError(f"Invalid {key}: {group[key]!r}; expected true or false")
+
+
+class HybridMuonOptimizer(Optimizer):
+    r"""Muon for weight matrices, Adam for everything else, routed by name and shape.
+
+    A drop-in replacement of deepmd-kit 3.2.0's ``deepmd.pt.optimizer.HybridMuonOptimizer``:
+    same constructor, defaults, routing, state keys and param_group keys, so a
+    checkpoint of either optimizer resumes with the other.
+
+    **Routing** (per parameter; see :func:`deepmd_hybridmuon.functional.route_parameter`).
+    The *leaf* is the last dot-separated segment of the parameter name that is not
+    all digits, lower-cased.
+
+    1. leaf ``b``, containing ``bias``, or prefixed ``adam_`` -> Adam (no weight decay);
+       leaf prefixed ``adamw_`` -> AdamW (decoupled weight decay);
+    2. effective shape (size-1 dimensions dropped) of rank < 2 -> Adam;
+    3. no matrix view in ``muon_mode`` -> AdamW. Views: ``"2d"`` rank 2 only;
+       ``"flat"`` one ``(prod(shape[:-1]), shape[-1])`` matrix; ``"slice"`` a batch of
+       the trailing ``(rows, cols)`` matrices;
+    4. otherwise Muon on that view.
+
+    **Muon** (per parameter with gradient :math:`g`, learning rate :math:`\eta`, weight
+    decay :math:`\lambda`, momentum :math:`\beta`):
+
+    .. math::
+
+        \theta &\leftarrow \theta\,(1 - \eta\lambda) \\
+        m &\leftarrow \beta m + (1-\beta) g, \qquad u = \beta m + (1-\beta) g \\
+        O &= \mathrm{NS}(u) \quad\text{(per matrix of the view)} \\
+        \theta &\leftarrow \theta - \eta\, s\, d \odot O
+
+    * NS, standard path: bfloat16; :math:`X_0 = u/\|u\|_F` (wide orientation), then
+      :math:`X \leftarrow aX + (bA + cA^2)X`, :math:`A = XX^\top`, 8 iterations with
+      (3.4445, -4.7750, 2.0315) and 2 with (2, -1.5, 0.5).
+    * NS, Gram path (``enable_gram`` and a non-square matrix): float32 normalisation,
+      float16 iteration on the Gram matrix with the five Polar Express steps (safety
+      factor 1.05), restarted before the third step.
+    * :math:`s = c\sqrt{\max(m, n)}` with ``lr_adjust_coeff`` :math:`c` when
+      ``lr_adjust <= 0``; :math:`s = \sqrt{\max(1, m/n)}` otherwise.
+    * :math:`d` (Magma-lite, ``magma_muon``): per matrix, :math:`r =`
+      clamp((sigmoid(cos(m, g)/2) - sigmoid(-1/2)) / (sigmoid(1/2) - sigmoid(-1/2)), 0, 1);
+      score :math:`\sigma \leftarrow 0.9\sigma + 0.1 r` (from 0.5);
+      :math:`d = 0.1 + 0.9\sigma`. Without Magma, :math:`d = 1`.
+
+    **Adam / AdamW** (float32 moments, :math:`\epsilon = 10^{-20}`, learning rate
+    :math:`\eta_a = \eta` if ``lr_adjust <= 0`` else :math:`\eta/` ``lr_adjust``):
+    AdamW first decays :math:`\theta \leftarrow \theta(1 - \eta_a\lambda)`; then
+    :math:`\theta \leftarrow \theta - \eta_a \hat m / (\sqrt{\hat v} + \epsilon)` with
+    bias-corrected moments of betas ``adam_betas``.
+
+    **State** (torch's names; deepmd-kit 3.2.0's layout): Muon ``momentum_buffer``
+    (gradient dtype) and ``magma_score`` (float32, one per matrix); Adam ``exp_avg``,
+    ``exp_avg_sq`` (float32), ``beta1_pow``, ``beta2_pow`` (Python floats).
+
+    Differences from the built-in, all fixes: float64 models resume (moments are cast
+    back to float32 after ``load_state_dict``); ``add_param_group`` works after the
+    first step; every hyperparameter is validated here with a ``ValueError``; size-0,
+    frozen and grad-less parameters are skipped; no ``torch.compile`` (no seconds of
+    compilation at the first step) and no import-time side effects.
+
+    Parameters
+    ----------
+    params
+        Parameters or param_group dicts.
+    lr
+        Learning rate, >= 0.
+    momentum
+        Muon momentum, in [0, 1).
+    weight_decay
+        Decoupled weight decay of the Muon and AdamW routes, >= 0.
+    adam_betas
+        (beta1, beta2) of the Adam routes, each in [0, 1).
+    lr_adjust
+        <= 0: match-RMS Muon scale and Adam at ``lr``; > 0: rectangular Muon scale
+        and Adam at ``lr / lr_adjust``.
+    lr_adjust_coeff
+        Coefficient of the match-RMS scale, >= 0.
+    muon_mode
+        ``"2d"``, ``"flat"`` or ``"slice"``.
+    named_parameters
+        ``(name, parameter)`` pairs for name-based routing (or call :meth:`set_param_names`).
+    enable_gram
+        Gram Newton–Schulz for rectangular matrices.
+    flash_muon
+        Allow a Triton kernel on CUDA for the standard path; no effect elsewhere.
+    magma_muon
+        Magma-lite damping of Muon updates.
+    use_foreach
+        Accepted for compatibility with deepmd-kit's trainer; the step already
+        batches its work by matrix shape.
+    batched
+        Keyword-only. ``True`` (default): orthogonalise all matrices of one shape in one
+        batched call. ``False``: the plain per-parameter loop, the specification the
+        batched path is tested against.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 5e-4,
+        momentum: float = 0.95,
+        weight_decay: float = 0.001,
+        adam_betas: tuple[float, float] = (0.9, 0.95),
+        lr_adjust: float = 0.0,
+        lr_adjust_coeff: float = 0.18,
+        muon_mode: str = "slice",
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        enable_gram: bool = True,
+        flash_muon: bool = True,
+        magma_muon: bool = True,
+        use_foreach: bool | None = None,
+        *,
+        batched: bool = True,
+    ) -> None:
+        for key, flag in (("flash_muon", flash_muon), ("batched", batched)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"Invalid {key}: {flag!r}; expected true or false")
+        if use_foreach is not None and not isinstance(use_foreach, bool):
+            raise ValueError(f"Invalid use_foreach: {use_foreach!r}; expected true, false or None")
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "adam_betas": tuple(adam_betas) if isinstance(adam_betas, list) else adam_betas,
+            "lr_adjust": lr_adjust,
+            "lr_adjust_coeff": lr_adjust_coeff,
+            "muon_mode": muon_mode,
+            "enable_gram": enable_gram,
+            "magma_muon": magma_muon,
+        }
+        _validate_group({"params": [], **defaults})  # fail on the argument, before any group
+        defaults["muon_mode"] = str(muon_mode).lower()
+        self.flash_muon = flash_muon
+        self.use_foreach = use_foreach
+        self.batched = batched
+        self._param_names: dict[int, str] = {}
+        super().__init__(params, defaults)
+        if named_parameters is not None:
+            self.set_param_names(named_parameters)
+
+    # ------------------------------------------------------------------ setup
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param_group after validating its keys and values (also after steps)."""
+        super().add_param_group(param_group)
+        try:
+            _validate_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def set_param_names(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Give parameters names for name-based routing.
+
+        The names stay out of ``param_groups`` and the state dict, so checkpoints (and
+        ZeRO-1's gathered state) do not carry the model's object graph.
+        """
+        self._param_names = {id(p): str(name) for name, p in named_parameters}
+
+    def param_name(self, p: torch.Tensor) -> str | None:
+        """The name given to ``p`` by :meth:`set_param_names`, or ``None``."""
+        return self._param_names.get(id(p))
+
+    def route_of(self, p: torch.Tensor, group: dict[str, Any]) -> F.ParamRoute:
+        """Route of parameter ``p`` in ``group`` (recomputed on demand; it is cheap)."""
+        return F.route_parameter(self.param_name(p), tuple(p.shape), group["muon_mode"])
+
+    def routing_table(self) -> list[dict[str, Any]]:
+        """One row per parameter: name, shape, route, matrix view and reason."""
+        rows = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                r = self.route_of(p, group)
+                rows.append(
+                    {"name": self.param_name(p), "shape": tuple(p.shape), "route": r.route, "view": r.view, "reason": r.reason}
+                )
+        return rows
+
+    # -------------------------------------------------------------- checkpoint
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this optimizer or of deepmd-kit's built-in one.
+
+        torch casts floating state to each parameter's dtype; the Adam moments and
+        Magma scores are cast back to float32 here, so float64 models resume.
+        """
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in _FLOAT32_STATE:
+                value = state.get(key)
+                if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
+                    state[key] = value.to(torch.float32)
+
+    # -------------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Perform one optimisation step; ``closure`` re-evaluates the loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        lr = float(group["lr"])
+        wd = float(group["weight_decay"])
+        beta1, beta2 = (float(b) for b in group["adam_betas"])
+        lr_adjust = float(group["lr_adjust"])
+        adam_lr = lr if lr_adjust <= 0 else lr / lr_adjust
+        muon: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]] = []
+        for p in group["params"]:
+            if p.grad is None or p.numel() == 0:
+                continue
+            route = self.route_of(p, group)
+            if route.route == "muon":
+                assert route.view is not None  # route_parameter gives a view for every Muon route
+                muon.append((p, p.grad, route.view))
+                continue
+            decay = (1.0 - adam_lr * wd) if (route.route == "adamw" and wd > 0) else None
+            self._adam(p, beta1, beta2, adam_lr, decay)
+        if muon:
+            self._muon(group, muon)
+
+    def _adam(self, p: torch.Tensor, beta1: float, beta2: float, lr: float, decay: float | None) -> None:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["beta1_pow"] = 1.0
+            state["beta2_pow"] = 1.0
+        state["beta1_pow"] *= beta1
+        state["beta2_pow"] *= beta2
+        F.adam_update_(
+            p,
+            p.grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            beta1=beta1,
+            beta2=beta2,
+            beta1_pow=state["beta1_pow"],
+            beta2_pow=state["beta2_pow"],
+            lr=lr,
+            decay_factor=decay,
+        )
+
+    def _muon(self, group: dict[str, Any], entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]]) -> None:
+        lr = float(group["lr"])
+        wd = float(group["weight_decay"])
+        momentum = float(group["momentum"])
+        lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
+        magma, use_gram = group["magma_muon"], group["enable_gram"]
+
+        # Momentum, decay and Magma, per parameter: cheap elementwise work.
+        updates: list[torch.Tensor] = []
+        scales: list[torch.Tensor | None] = []
+        for p, grad, (bs, rows, cols) in entries:
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = torch.zeros_like(grad)
+            grad = grad.to(buf.dtype)
+            if wd > 0:
+                p.mul_(1.0 - lr * wd)
+            update = F.nesterov_momentum_(buf, grad, momentum)
+            updates.append(update.reshape(bs, rows, cols))
+            if magma:
+                score = state.get("magma_score")
+                if score is None or score.shape != (bs,) or score.device != p.device:
+                    score = torch.full((bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=p.device)
+                    state["magma_score"] = score
+                raw = F.magma_raw_score(buf.reshape(bs, -1), grad.reshape(bs, -1))
+                scales.append(F.magma_scale_(score, raw))
+            else:
+                scales.append(None)
+
+        # Orthogonalisation: per parameter (the specification) or per shape bucket.
+        if self.batched:
+            orths = self._orthogonalize_buckets(updates, use_gram)
+        else:
+            orths = [F.orthogonalize(u, use_gram) for u in updates]
+
+        for (p, _, (bs, rows, cols)), orth, damp in zip(entries, orths, scales, strict=True):
+            delta = orth * F.muon_scale(rows, cols, lr_adjust, coeff)
+            if damp is not None:
+                delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
+            p.add_(delta.reshape(p.shape), alpha=-lr)
+
+    @staticmethod
+    def _orthogonalize_buckets(updates: list[torch.Tensor], use_gram: bool) -> list[torch.Tensor]:
+        """Orthogonalise ``updates`` (each ``(batch, rows, cols)``) in one call per shape."""
+        buckets: dict[tuple[Any, ...], list[int]] = {}
+        for i, u in enumerate(updates):
+            buckets.setdefault((u.shape[1:], u.dtype, u.device), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(updates)
+        for idx in buckets.values():
+            if len(idx) == 1:
+                out[idx[0]] = F.orthogonalize(updates[idx[0]], use_gram)
+                continue
+            stacked = F.orthogonalize(torch.cat([updates[i] for i in idx]), use_gram)
+            for i, part in zip(idx, stacked.split([updates[i].size(0) for i in idx]), strict=True):
+                out[i] = part
+        return out  # type: ignore[return-value]
