@@ -86,8 +86,7 @@ _POLAR_EXPRESS_RAW: tuple[tuple[float, float, float], ...] = (
 )
 #: p(x) = a x + b x^3 + c x^5 evaluated at x / s: (a / s, b / s^3, c / s^5).
 POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = tuple(
-    (a / GRAM_SAFETY_FACTOR, b / GRAM_SAFETY_FACTOR**3, c / GRAM_SAFETY_FACTOR**5)
-    for a, b, c in _POLAR_EXPRESS_RAW
+    (a / GRAM_SAFETY_FACTOR, b / GRAM_SAFETY_FACTOR**3, c / GRAM_SAFETY_FACTOR**5) for a, b, c in _POLAR_EXPRESS_RAW
 )
 #: Iteration indices before which the Gram iteration re-forms X and its Gram
 #: matrix from the accumulated transform, bounding fp16 error growth
@@ -290,8 +289,11 @@ def gram_newton_schulz(G: torch.Tensor) -> torch.Tensor:
 
 
 def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
-    """Orthogonalise a ``(batch, m, n)`` stack: Gram path for rectangular matrices when
-    ``use_gram``, else the bf16 standard path (square matrices always take it)."""
+    """Orthogonalise a ``(batch, m, n)`` stack.
+
+    The Gram path for rectangular matrices when ``use_gram``, else the bfloat16 standard
+    path (square matrices always take it).
+    """
     if use_gram and G.size(-1) != G.size(-2):
         return gram_newton_schulz(G)
     return newton_schulz(G)

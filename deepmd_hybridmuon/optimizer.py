@@ -253,7 +253,13 @@ class HybridMuonOptimizer(Optimizer):
             for p in group["params"]:
                 r = self.route_of(p, group)
                 rows.append(
-                    {"name": self.param_name(p), "shape": tuple(p.shape), "route": r.route, "view": r.view, "reason": r.reason}
+                    {
+                        "name": self.param_name(p),
+                        "shape": tuple(p.shape),
+                        "route": r.route,
+                        "view": r.view,
+                        "reason": r.reason,
+                    }
                 )
         return rows
 
@@ -327,7 +333,9 @@ class HybridMuonOptimizer(Optimizer):
             decay_factor=decay,
         )
 
-    def _muon(self, group: dict[str, Any], entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]]) -> None:
+    def _muon(
+        self, group: dict[str, Any], entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]]
+    ) -> None:
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
         momentum = float(group["momentum"])
