@@ -1,13 +1,292 @@
-"""placeholder"""
+"""The deepmd-kit seam: the only module of this package that imports deepmd.
+
+deepmd-kit loads three entry-point groups, each pointing here:
+
+* ``deepmd.backend`` (every ``dp`` command): :func:`on_deepmd_backend` checks the deepmd-kit
+  version and puts our ``HybridMuon`` schema in place of the built-in one in
+  ``deepmd.utils.argcheck.opt_args_plugin``.
+* ``deepmd.pt`` / ``deepmd.pt_expt`` (when a PyTorch backend is imported): register a
+  post-import hook on ``deepmd.pt.train.training`` / ``deepmd.pt_expt.train.training``;
+  when the module is imported, :func:`patch_trainer` wraps three methods of its ``Trainer``:
+
+  - ``__init__`` keeps the input's ``optimizer`` section on the trainer;
+  - ``_create_optimizer(optimizer_class, **kwargs)`` is where both trainers build their
+    optimizer: when ``optimizer_class`` is the built-in ``HybridMuonOptimizer`` we build
+    ours instead, with the trainer's keywords plus the keys of the section the trainer
+    does not know (see :func:`optimizer_kwargs`), and log what we built;
+  - ``_load_optimizer_state`` lets the input file's settings win over a checkpoint's.
+
+Nothing here runs at import of :mod:`deepmd_hybridmuon`; the entry points run it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from importlib.metadata import version as dist_version
+from typing import Any
+
+import torch
+
+from . import __version__
+from .optimizer import GROUP_KEYS, HybridMuonOptimizer
+from .schema import HYBRID_MUON_DOC, hybrid_muon_arguments, resolve_legacy_keys
+
+__all__ = [
+    "SUPPORTED_DEEPMD",
+    "check_deepmd_version",
+    "on_deepmd_backend",
+    "on_deepmd_pt",
+    "on_deepmd_pt_expt",
+    "optimizer_kwargs",
+    "patch_trainer",
+    "register_schema",
+    "routing_summary",
+    "train_input_arguments",
+]
+
+log = logging.getLogger("deepmd.hybridmuon")
+
+#: deepmd-kit versions whose trainer seam this release was checked against.
+SUPPORTED_DEEPMD: tuple[tuple[int, int], tuple[int, int]] = ((3, 2), (3, 3))
+SUPPORTED_DEEPMD_TEXT = "deepmd-kit >=3.2.0,<3.3"
+#: Trainer modules whose ``Trainer`` we patch.
+TRAINER_MODULES: tuple[str, ...] = ("deepmd.pt.train.training", "deepmd.pt_expt.train.training")
+_PATCHED = "_hybridmuon_patched"
 
 
-def on_deepmd_backend():
-    pass
+class UnsupportedDeepmdError(RuntimeError):
+    """The installed deepmd-kit does not have the seam this plugin was built for."""
 
 
-def on_deepmd_pt():
-    pass
+# ----------------------------------------------------------------------------- version
 
 
-def on_deepmd_pt_expt():
-    pass
+def check_deepmd_version(installed: str | None = None) -> str:
+    """Return the installed deepmd-kit version; raise if this plugin does not support it."""
+    installed = installed or dist_version("deepmd-kit")
+    parts = []
+    for piece in installed.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    major_minor = tuple(parts)
+    low, high = SUPPORTED_DEEPMD
+    if not (low <= major_minor < high):
+        raise UnsupportedDeepmdError(
+            f"deepmd-hybridmuon {__version__} supports {SUPPORTED_DEEPMD_TEXT}, but deepmd-kit {installed} "
+            "is installed. Install a supported deepmd-kit or uninstall deepmd-hybridmuon; it will not "
+            "fall back to the built-in HybridMuon silently."
+        )
+    return installed
+
+
+# ------------------------------------------------------------------------------ schema
+
+
+def _plugin_registry(argcheck: Any) -> dict[tuple[str, Any, str], Callable[..., Any]]:
+    try:
+        return argcheck.opt_args_plugin._ArgsPlugin__plugin.plugins
+    except AttributeError as err:
+        raise UnsupportedDeepmdError(
+            f"deepmd.utils.argcheck.opt_args_plugin has no plugin registry; deepmd-hybridmuon "
+            f"supports {SUPPORTED_DEEPMD_TEXT}."
+        ) from err
+
+
+def register_schema() -> None:
+    """Replace the built-in ``HybridMuon`` entry of deepmd's optimizer schema with ours.
+
+    The registry is a dict keyed by ``(name, alias, doc)``: a second ``HybridMuon`` key
+    would make dargs fail with a duplicate, so the built-in key is swapped in place
+    (keeping the order of the optimizer variants). Idempotent.
+    """
+    from deepmd.utils import argcheck
+
+    registry = _plugin_registry(argcheck)
+    if any(func is hybrid_muon_arguments for func in registry.values()):
+        return
+    items = list(registry.items())
+    if not any(key[0] == "HybridMuon" for key, _ in items):
+        raise UnsupportedDeepmdError(
+            f"deepmd-kit has no built-in HybridMuon optimizer to replace; deepmd-hybridmuon supports "
+            f"{SUPPORTED_DEEPMD_TEXT}."
+        )
+    registry.clear()
+    for key, func in items:
+        if key[0] == "HybridMuon":
+            key, func = ("HybridMuon", key[1], HYBRID_MUON_DOC), hybrid_muon_arguments
+        registry[key] = func
+
+
+def train_input_arguments() -> list[Any]:
+    """The whole ``dp train`` input schema with our optimizer registered.
+
+    For ``dargs check -f deepmd_hybridmuon.plugin.train_input_arguments input.json``
+    (no deepmd compat conversion there: use ``dp-hybridmuon check`` for legacy inputs).
+    """
+    from deepmd.utils.argcheck import gen_args
+
+    register_schema()
+    return gen_args()
+
+
+# ------------------------------------------------------------------------ the trainer
+
+
+def optimizer_kwargs(section: dict[str, Any], trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Constructor keywords of our optimizer for one trainer.
+
+    Starts from the keywords deepmd's trainer passes, maps the legacy keys of the input's
+    ``optimizer`` section (with a DeprecationWarning) and adds every key of the section
+    that our constructor takes and the trainer does not pass.
+    """
+    kwargs = dict(trainer_kwargs)
+    resolved, messages = resolve_legacy_keys(section)
+    for message in messages:
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+        log.warning(message)
+    if "muon_mode" in resolved and resolved.get("muon_mode") != section.get("muon_mode"):
+        kwargs["muon_mode"] = resolved["muon_mode"]
+    accepted = inspect.signature(HybridMuonOptimizer).parameters
+    for key, value in resolved.items():
+        if key in accepted and key not in kwargs and key not in ("params", "named_parameters"):
+            kwargs[key] = value
+    return kwargs
+
+
+def routing_summary(optimizer: HybridMuonOptimizer) -> str:
+    """One line: count and number of elements per route."""
+    count: Counter[str] = Counter()
+    numel: Counter[str] = Counter()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            route = optimizer.route_of(p, group).route
+            count[route] += 1
+            numel[route] += p.numel()
+    return ", ".join(f"{r} {count[r]} tensors / {numel[r]:,} elements" for r in ("muon", "adam", "adamw"))
+
+
+def _log_first_step(optimizer: HybridMuonOptimizer) -> None:
+    """Log our INFO line (and the DEBUG routing table) once, at the first step, when the
+    trainer has given the parameters their names."""
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        g = opt.param_groups[0]
+        log.info(
+            "optimizer: deepmd-hybridmuon %s HybridMuon (muon_mode=%s, enable_gram=%s, magma_muon=%s); routing: %s",
+            __version__,
+            g["muon_mode"],
+            g["enable_gram"],
+            g["magma_muon"],
+            routing_summary(optimizer),
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            for row in optimizer.routing_table():
+                log.debug("  %-70s %-18s %-5s view=%s", row["name"], row["shape"], row["route"], row["view"])
+
+    handle = optimizer.register_step_pre_hook(hook)
+
+
+def _local(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer doing this rank's update (ZeRO-1 wraps it in ``.optim``)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def _input_wins(optimizer: torch.optim.Optimizer, before: list[dict[str, Any]]) -> None:
+    """After a checkpoint's param_groups were loaded, restore the input's settings."""
+    for group, wanted in zip(optimizer.param_groups, before, strict=False):
+        for key, value in wanted.items():
+            old = group.get(key)
+            if old != value:
+                log.info("restart: optimizer %s = %r from the input file (checkpoint had %r)", key, value, old)
+                group[key] = value
+
+
+def patch_trainer(module: Any) -> None:
+    """Wrap ``module.Trainer`` so that it builds our optimizer for ``HybridMuon``. Idempotent.
+
+    Raises
+    ------
+    UnsupportedDeepmdError
+        If the trainer does not have the seam this plugin expects.
+    """
+    trainer = getattr(module, "Trainer", None)
+    builtin = getattr(module, "HybridMuonOptimizer", None)
+    create = getattr(trainer, "_create_optimizer", None)
+    load = getattr(trainer, "_load_optimizer_state", None)
+    if trainer is None or builtin is None or create is None or load is None:
+        raise UnsupportedDeepmdError(
+            f"{module.__name__}.Trainer does not have the optimizer seam deepmd-hybridmuon patches "
+            f"(_create_optimizer, _load_optimizer_state, HybridMuonOptimizer); supported: {SUPPORTED_DEEPMD_TEXT}."
+        )
+    if getattr(trainer, _PATCHED, False):
+        return
+    if list(inspect.signature(create).parameters)[:2] != ["self", "optimizer_class"]:
+        raise UnsupportedDeepmdError(
+            f"{module.__name__}.Trainer._create_optimizer{inspect.signature(create)} is not the seam "
+            f"deepmd-hybridmuon expects; supported: {SUPPORTED_DEEPMD_TEXT}."
+        )
+    original_init = trainer.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, config: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        self._hybridmuon_section = dict(config.get("optimizer") or {})
+        original_init(self, config, *args, **kwargs)
+
+    @functools.wraps(create)
+    def _create_optimizer(self: Any, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
+        if optimizer_class is not builtin and optimizer_class is not HybridMuonOptimizer:
+            return create(self, optimizer_class, **kwargs)
+        section = getattr(self, "_hybridmuon_section", {})
+        optimizer = create(self, HybridMuonOptimizer, **optimizer_kwargs(section, kwargs))
+        _log_first_step(_local(optimizer))  # type: ignore[arg-type]
+        return optimizer
+
+    @functools.wraps(load)
+    def _load_optimizer_state(self: Any, *args: Any, **kwargs: Any) -> None:
+        local = _local(self.optimizer)
+        if not isinstance(local, HybridMuonOptimizer):
+            return load(self, *args, **kwargs)
+        before = [{k: g[k] for k in GROUP_KEYS if k != "lr"} for g in local.param_groups]
+        load(self, *args, **kwargs)
+        _input_wins(local, before)
+        return None
+
+    trainer.__init__ = __init__
+    trainer._create_optimizer = _create_optimizer
+    trainer._load_optimizer_state = _load_optimizer_state
+    setattr(trainer, _PATCHED, True)
+
+
+def _hook_trainer_module(name: str) -> None:
+    import wrapt
+
+    wrapt.register_post_import_hook(patch_trainer, name)
+
+
+# ------------------------------------------------------------------------ entry points
+
+
+def on_deepmd_backend() -> None:
+    """Entry point of group ``deepmd.backend``: version check and schema registration."""
+    check_deepmd_version()
+    register_schema()
+
+
+def on_deepmd_pt() -> None:
+    """Entry point of group ``deepmd.pt``: patch the PyTorch trainer when it is imported."""
+    check_deepmd_version()
+    register_schema()
+    _hook_trainer_module(TRAINER_MODULES[0])
+
+
+def on_deepmd_pt_expt() -> None:
+    """Entry point of group ``deepmd.pt_expt``: patch the pt_expt trainer when it is imported."""
+    check_deepmd_version()
+    register_schema()
+    _hook_trainer_module(TRAINER_MODULES[1])

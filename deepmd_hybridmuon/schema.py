@@ -1,0 +1,203 @@
+"""The ``optimizer`` section schema of type ``HybridMuon`` (dargs), and legacy-key mapping.
+
+Imports dargs only. :mod:`deepmd_hybridmuon.plugin` registers :func:`hybrid_muon_arguments`
+into deepmd-kit's ``opt_args_plugin`` in place of the built-in entry.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dargs import Argument
+
+from .functional import MUON_MODES
+
+__all__ = [
+    "HYBRID_MUON_DOC",
+    "LEGACY_KEYS",
+    "hybrid_muon_arguments",
+    "resolve_legacy_keys",
+]
+
+HYBRID_MUON_DOC = (
+    "HybridMuon optimizer (the deepmd-hybridmuon plugin; drop-in for deepmd-kit's built-in). "
+    "Muon (Nesterov momentum, Newton-Schulz orthogonalisation, optional Magma-lite damping) for "
+    "weight matrices; Adam for biases and 1-D tensors; AdamW for tensors without a matrix view. "
+    "Routing on the last non-numeric segment of the parameter name (case-insensitive): 'b' or "
+    "containing 'bias' -> Adam; 'adam_' prefix -> Adam; 'adamw_' prefix -> AdamW; otherwise by "
+    "shape with size-1 dimensions dropped: rank < 2 -> Adam; no matrix view in `muon_mode` -> "
+    "AdamW; else Muon."
+)
+
+#: Keys of deepmd-kit < 3.2 HybridMuon inputs that deepmd's compat step still moves into the
+#: optimizer section; accepted with a DeprecationWarning and mapped by :func:`resolve_legacy_keys`.
+LEGACY_KEYS: tuple[str, ...] = ("muon_2d_only", "min_2d_dim")
+
+
+def _in_range(low: float, high: float | None = None, *, open_high: bool = False) -> Any:
+    def check(value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        if value < low:
+            return False
+        if high is None:
+            return True
+        return value < high if open_high else value <= high
+
+    return check
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def hybrid_muon_arguments() -> list[Argument]:
+    """Keys of ``"optimizer": {"type": "HybridMuon", ...}``: every key and default of
+    deepmd-kit 3.2.0, plus stricter value checks and the accepted legacy keys.
+    """
+    unit = "expected a number in [0, 1)"
+    return [
+        Argument(
+            "momentum",
+            float,
+            optional=True,
+            default=0.95,
+            alias=["muon_momentum"],
+            extra_check=_in_range(0.0, 1.0, open_high=True),
+            extra_check_errmsg=unit,
+            doc="Muon momentum beta in [0, 1): m <- beta*m + (1-beta)*g, Nesterov update beta*m + (1-beta)*g.",
+        ),
+        Argument(
+            "adam_beta1",
+            float,
+            optional=True,
+            default=0.9,
+            extra_check=_in_range(0.0, 1.0, open_high=True),
+            extra_check_errmsg=unit,
+            doc="Adam beta1 of the Adam/AdamW routes (biases, 1-D tensors, adam_/adamw_ names).",
+        ),
+        Argument(
+            "adam_beta2",
+            float,
+            optional=True,
+            default=0.95,
+            extra_check=_in_range(0.0, 1.0, open_high=True),
+            extra_check_errmsg=unit,
+            doc="Adam beta2 of the Adam/AdamW routes.",
+        ),
+        Argument(
+            "weight_decay",
+            float,
+            optional=True,
+            default=0.001,
+            extra_check=_in_range(0.0),
+            extra_check_errmsg="expected a number >= 0",
+            doc="Decoupled weight decay p <- p*(1 - lr*weight_decay) of the Muon and AdamW routes "
+            "(AdamW uses the Adam learning rate). Adam-routed parameters are never decayed.",
+        ),
+        Argument(
+            "lr_adjust",
+            float,
+            optional=True,
+            default=0.0,
+            extra_check=_finite,
+            extra_check_errmsg="expected a finite number",
+            doc="<= 0: Muon update scale lr_adjust_coeff*sqrt(max(m, n)) (matches Adam's update RMS, "
+            "so Adam learning rates carry over) and Adam at lr. > 0: Muon scale sqrt(max(1, m/n)) "
+            "and Adam at lr/lr_adjust.",
+        ),
+        Argument(
+            "lr_adjust_coeff",
+            float,
+            optional=True,
+            default=0.18,
+            extra_check=_in_range(0.0),
+            extra_check_errmsg="expected a number >= 0",
+            doc="Coefficient of the match-RMS Muon scale when lr_adjust <= 0 (0.18: DeepSeek-V4; Moonlight uses 0.2).",
+        ),
+        Argument(
+            "muon_mode",
+            str,
+            optional=True,
+            default="slice",
+            extra_check=lambda v: isinstance(v, str) and v.lower() in MUON_MODES,
+            extra_check_errmsg="expected one of '2d', 'flat', 'slice'",
+            doc="How a tensor is seen as matrices (shape with size-1 dims dropped). "
+            "'2d': rank-2 tensors only; higher ranks go to AdamW. "
+            "'flat': one (prod(shape[:-1]), shape[-1]) matrix. "
+            "'slice' (default): rank >= 3 is a batch of trailing (m, n) matrices, each orthogonalised alone. "
+            "Choices: '2d' | 'flat' | 'slice'.",
+        ),
+        Argument(
+            "enable_gram",
+            bool,
+            optional=True,
+            default=True,
+            doc="Gram Newton-Schulz (Polar Express coefficients, fp16) for rectangular matrices; "
+            "square ones keep the bf16 standard iteration.",
+        ),
+        Argument(
+            "flash_muon",
+            bool,
+            optional=True,
+            default=True,
+            doc="Allow a Triton kernel for the standard Newton-Schulz path on CUDA; no effect on CPU.",
+        ),
+        Argument(
+            "magma_muon",
+            bool,
+            optional=True,
+            default=True,
+            doc="Magma-lite: damp each Muon matrix update by 0.1 + 0.9*score, score an EMA (0.9, "
+            "from 0.5) of the stretched sigmoid of cos(momentum, gradient). Adam routes untouched.",
+        ),
+        Argument(
+            "muon_2d_only",
+            [bool, None],
+            optional=True,
+            default=None,
+            doc="Deprecated (deepmd-kit < 3.2). true -> muon_mode '2d', false -> muon_mode 'flat'; "
+            "overrides muon_mode, with a DeprecationWarning.",
+        ),
+        Argument(
+            "min_2d_dim",
+            [int, None],
+            optional=True,
+            default=None,
+            doc="Deprecated (deepmd-kit < 3.2) and ignored: every matrix is routed by its shape "
+            "and muon_mode. Accepted with a DeprecationWarning.",
+        ),
+    ]
+
+
+def resolve_legacy_keys(optimizer: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Map the legacy keys of an optimizer section onto ``muon_mode``.
+
+    Parameters
+    ----------
+    optimizer
+        The optimizer section (normalised or not).
+
+    Returns
+    -------
+    tuple[dict[str, Any], list[str]]
+        A copy without the legacy keys (and ``muon_mode`` set where they ask it), and one
+        deprecation message per legacy key that was set.
+    """
+    out = {k: v for k, v in optimizer.items() if k not in LEGACY_KEYS}
+    messages: list[str] = []
+    only_2d = optimizer.get("muon_2d_only")
+    if only_2d is not None:
+        mode = "2d" if only_2d else "flat"
+        messages.append(
+            f"optimizer.muon_2d_only={only_2d!r} is deprecated since deepmd-kit 3.2; "
+            f'using muon_mode={mode!r}. Replace it with "muon_mode": "{mode}".'
+        )
+        out["muon_mode"] = mode
+    if optimizer.get("min_2d_dim") is not None:
+        messages.append(
+            f"optimizer.min_2d_dim={optimizer['min_2d_dim']!r} is deprecated since deepmd-kit 3.2 and "
+            "ignored: matrices are routed by shape and muon_mode. Remove it."
+        )
+    return out, messages
