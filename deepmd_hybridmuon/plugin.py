@@ -171,8 +171,10 @@ def routing_summary(optimizer: HybridMuonOptimizer) -> str:
 
 
 def _log_first_step(optimizer: HybridMuonOptimizer) -> None:
-    """Log our INFO line (and the DEBUG routing table) once, at the first step, when the
-    trainer has given the parameters their names."""
+    """Log our INFO line (and the DEBUG routing table) once, at the first step.
+
+    The first step comes after the trainer has given the parameters their names.
+    """
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         handle.remove()

@@ -53,8 +53,10 @@ def _finite(value: Any) -> bool:
 
 
 def hybrid_muon_arguments() -> list[Argument]:
-    """Keys of ``"optimizer": {"type": "HybridMuon", ...}``: every key and default of
-    deepmd-kit 3.2.0, plus stricter value checks and the accepted legacy keys.
+    """Keys of ``"optimizer": {"type": "HybridMuon", ...}``.
+
+    Every key and default of deepmd-kit 3.2.0, plus stricter value checks and the accepted
+    legacy keys.
     """
     unit = "expected a number in [0, 1)"
     return [

@@ -1,4 +1,4 @@
-"""Imported by deepmd-kit for entry-point group ``deepmd.backend``: runs :func:`deepmd_hybridmuon.plugin.on_deepmd_backend`."""
+"""Imported by deepmd-kit for entry-point group ``deepmd.backend``; runs ``plugin.on_deepmd_backend``."""
 
 from deepmd_hybridmuon.plugin import on_deepmd_backend
 

@@ -1,4 +1,4 @@
-"""Imported by deepmd-kit for entry-point group ``deepmd.pt``: runs :func:`deepmd_hybridmuon.plugin.on_deepmd_pt`."""
+"""Imported by deepmd-kit for entry-point group ``deepmd.pt``; runs ``plugin.on_deepmd_pt``."""
 
 from deepmd_hybridmuon.plugin import on_deepmd_pt
 

@@ -1,4 +1,4 @@
-"""Imported by deepmd-kit for entry-point group ``deepmd.pt_expt``: runs :func:`deepmd_hybridmuon.plugin.on_deepmd_pt_expt`."""
+"""Imported by deepmd-kit for entry-point group ``deepmd.pt_expt``; runs ``plugin.on_deepmd_pt_expt``."""
 
 from deepmd_hybridmuon.plugin import on_deepmd_pt_expt
 
