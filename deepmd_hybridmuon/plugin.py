@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -273,15 +274,27 @@ def _hook_trainer_module(name: str) -> None:
 
 # ------------------------------------------------------------------------ entry points
 
+#: Set this environment variable to a non-empty value other than "0" to keep deepmd-kit's
+#: built-in HybridMuon (e.g. to compare both); the entry points then do nothing.
+DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
+
+
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
 
 def on_deepmd_backend() -> None:
     """Entry point of group ``deepmd.backend``: version check and schema registration."""
+    if _disabled():
+        return
     check_deepmd_version()
     register_schema()
 
 
 def on_deepmd_pt() -> None:
     """Entry point of group ``deepmd.pt``: patch the PyTorch trainer when it is imported."""
+    if _disabled():
+        return
     check_deepmd_version()
     register_schema()
     _hook_trainer_module(TRAINER_MODULES[0])
@@ -289,6 +302,8 @@ def on_deepmd_pt() -> None:
 
 def on_deepmd_pt_expt() -> None:
     """Entry point of group ``deepmd.pt_expt``: patch the pt_expt trainer when it is imported."""
+    if _disabled():
+        return
     check_deepmd_version()
     register_schema()
     _hook_trainer_module(TRAINER_MODULES[1])
