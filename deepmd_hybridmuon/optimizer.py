@@ -15,6 +15,7 @@ import torch
 from torch.optim.optimizer import Optimizer
 
 from . import functional as F
+from .flat import GroupEngine
 
 __all__ = ["HybridMuonOptimizer"]
 
@@ -170,9 +171,9 @@ class HybridMuonOptimizer(Optimizer):
         Accepted for compatibility with deepmd-kit's trainer; the step already
         batches its work by matrix shape.
     batched
-        Keyword-only. ``True`` (default): orthogonalise all matrices of one shape in one
-        batched call. ``False``: the plain per-parameter loop, the specification the
-        batched path is tested against.
+        Keyword-only. ``True`` (default): the flat engine (:mod:`deepmd_hybridmuon.flat`),
+        a few dozen kernels per step whatever the number of parameters. ``False``: the
+        plain per-parameter loop, the specification the engine is tested against.
     """
 
     def __init__(
@@ -215,6 +216,9 @@ class HybridMuonOptimizer(Optimizer):
         self.use_foreach = use_foreach
         self.batched = batched
         self._param_names: dict[int, str] = {}
+        self._names_version = 0  # bumped when names change: the flat engines rebuild
+        self._state_version = 0  # bumped when a state dict is loaded
+        self._engines: dict[int, GroupEngine] = {}
         super().__init__(params, defaults)
         if named_parameters is not None:
             self.set_param_names(named_parameters)
@@ -237,6 +241,7 @@ class HybridMuonOptimizer(Optimizer):
         ZeRO-1's gathered state) do not carry the model's object graph.
         """
         self._param_names = {id(p): str(name) for name, p in named_parameters}
+        self._names_version += 1
 
     def param_name(self, p: torch.Tensor) -> str | None:
         """The name given to ``p`` by :meth:`set_param_names`, or ``None``."""
@@ -265,6 +270,23 @@ class HybridMuonOptimizer(Optimizer):
 
     # -------------------------------------------------------------- checkpoint
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus ``"hybridmuon": {"version": ...}`` naming the writer.
+
+        ``state`` and ``param_groups`` have deepmd-kit 3.2.0's layout; torch's
+        ``load_state_dict`` (the built-in's too) ignores the extra top-level key.
+        """
+        from . import __version__
+
+        out = super().state_dict()
+        # The flat engine keeps state as views of shared buffers: save independent tensors.
+        out["state"] = {
+            k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()}
+            for k, v in out["state"].items()
+        }
+        out["hybridmuon"] = {"version": __version__}
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer or of deepmd-kit's built-in one.
 
@@ -272,6 +294,7 @@ class HybridMuonOptimizer(Optimizer):
         Magma scores are cast back to float32 here, so float64 models resume.
         """
         super().load_state_dict(state_dict)
+        self._state_version += 1
         for state in self.state.values():
             for key in _FLOAT32_STATE:
                 value = state.get(key)
@@ -287,9 +310,29 @@ class HybridMuonOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            self._step_group(group)
+        for index, group in enumerate(self.param_groups):
+            engine = self._engine(index, group)
+            if engine is not None:
+                engine.step(self, group)
+            else:
+                self._step_group(group)
         return loss
+
+    def _engine(self, index: int, group: dict[str, Any]) -> GroupEngine | None:
+        """The flat engine of a group, (re)built when needed; ``None`` for the loop.
+
+        The loop runs when ``batched=False``, for a group the engine does not support
+        (mixed dtypes or devices), and for a step in which some parameter has no gradient.
+        """
+        if not self.batched or any(p.grad is None for p in group["params"] if p.numel() > 0):
+            return None
+        engine = self._engines.get(index)
+        if engine is not None and engine.signature == GroupEngine.signature_of(self, group):
+            return engine
+        if not GroupEngine.supports(group):
+            return None
+        engine = self._engines[index] = GroupEngine(self, group)
+        return engine
 
     def _step_group(self, group: dict[str, Any]) -> None:
         lr = float(group["lr"])
@@ -365,30 +408,10 @@ class HybridMuonOptimizer(Optimizer):
             else:
                 scales.append(None)
 
-        # Orthogonalisation: per parameter (the specification) or per shape bucket.
-        if self.batched:
-            orths = self._orthogonalize_buckets(updates, use_gram)
-        else:
-            orths = [F.orthogonalize(u, use_gram) for u in updates]
+        orths = [F.orthogonalize(u, use_gram) for u in updates]
 
         for (p, _, (bs, rows, cols)), orth, damp in zip(entries, orths, scales, strict=True):
             delta = orth * F.muon_scale(rows, cols, lr_adjust, coeff)
             if damp is not None:
                 delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
             p.add_(delta.reshape(p.shape), alpha=-lr)
-
-    @staticmethod
-    def _orthogonalize_buckets(updates: list[torch.Tensor], use_gram: bool) -> list[torch.Tensor]:
-        """Orthogonalise ``updates`` (each ``(batch, rows, cols)``) in one call per shape."""
-        buckets: dict[tuple[Any, ...], list[int]] = {}
-        for i, u in enumerate(updates):
-            buckets.setdefault((u.shape[1:], u.dtype, u.device), []).append(i)
-        out: list[torch.Tensor | None] = [None] * len(updates)
-        for idx in buckets.values():
-            if len(idx) == 1:
-                out[idx[0]] = F.orthogonalize(updates[idx[0]], use_gram)
-                continue
-            stacked = F.orthogonalize(torch.cat([updates[i] for i in idx]), use_gram)
-            for i, part in zip(idx, stacked.split([updates[i].size(0) for i in idx]), strict=True):
-                out[i] = part
-        return out  # type: ignore[return-value]

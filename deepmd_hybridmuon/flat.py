@@ -1,0 +1,251 @@
+"""The flat engine: the same step as the per-parameter loop, in a few dozen kernels.
+
+DeePMD models have many small matrices, so a per-tensor step is bound by kernel
+launches, not arithmetic. The engine keeps the per-parameter state as views of a few
+flat buffers (so ``state[p]["momentum_buffer"]`` etc. stay ordinary tensors in the
+built-in layout) and runs every elementwise rule once over a whole route:
+
+* Adam/AdamW: one gradient ``cat``, four flat moment/denominator kernels, one
+  ``_foreach_add_`` into the parameters;
+* Muon: one gradient ``cat``, flat momentum, Magma-lite scores by ``segment_reduce``
+  over matrix blocks, then the Nesterov updates are scattered (one index copy per
+  bucket) into zero-padded ``(batch, M, N)`` stacks in wide orientation and
+  orthogonalised in one call per bucket. Zero padding commutes with both Newton–Schulz
+  variants in exact arithmetic (zero rows and columns stay zero; the Gram matrix of the
+  real rows is unchanged), so only rounding differs from the loop.
+
+No host synchronisation happens inside a step. The engine is rebuilt whenever what it
+was built from changes (parameters, names, routing options, a loaded state dict).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import functional as F
+
+__all__ = ["GroupEngine", "bucket_key"]
+
+
+def bucket_key(min_dim: int, device: torch.device) -> int:
+    """Bucket of a matrix by its smaller side.
+
+    On CUDA one bucket per path: padding costs idle FLOPs but saves launches, which
+    dominate at DeePMD sizes. On the CPU, FLOPs cost: bucket by the next power of two.
+    """
+    if device.type == "cuda":
+        return 0
+    return 1 << max(0, (min_dim - 1).bit_length())
+
+
+@dataclass
+class _Bucket:
+    use_gram: bool
+    batch: int = 0
+    rows: int = 0  # M: the padded smaller side
+    cols: int = 0  # N: the padded larger side
+    members: list[tuple[int, int, int, int, int, bool]] = field(default_factory=list)
+    # (flat offset, batch, rows, cols, batch offset in bucket, transposed)
+    src: torch.Tensor | None = None  # positions in the flat Muon vector
+    dst: torch.Tensor | None = None  # positions in the padded stack
+    stack: torch.Tensor | None = None  # persistent zero-padded input
+
+
+def _split_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params, strict=True)]
+
+
+class GroupEngine:
+    """Flat buffers and index maps of one param_group; built by the optimizer."""
+
+    def __init__(self, optimizer: Any, group: dict[str, Any]) -> None:
+        self.params = [p for p in group["params"] if p.numel() > 0]
+        self.signature = self.signature_of(optimizer, group)
+        dev, dtype = self.params[0].device, self.params[0].dtype
+        self.device, self.dtype = dev, dtype
+        routes = [optimizer.route_of(p, group) for p in self.params]
+        self.adam = [p for p, r in zip(self.params, routes, strict=True) if r.route != "muon"]
+        self.adamw = [p for p, r in zip(self.params, routes, strict=True) if r.route == "adamw"]
+        self.muon = [(p, r.view) for p, r in zip(self.params, routes, strict=True) if r.route == "muon"]
+        self._build_adam(optimizer.state)
+        self._build_muon(optimizer.state, group)
+
+    @staticmethod
+    def signature_of(optimizer: Any, group: dict[str, Any]) -> tuple[Any, ...]:
+        """What the engine depends on; a change forces a rebuild."""
+        return (
+            tuple(id(p) for p in group["params"]),
+            optimizer._names_version,
+            optimizer._state_version,
+            group["muon_mode"],
+            group["enable_gram"],
+            group["magma_muon"],
+            float(group["lr_adjust"]) <= 0,
+            float(group["lr_adjust"]) if float(group["lr_adjust"]) > 0 else float(group["lr_adjust_coeff"]),
+        )
+
+    @staticmethod
+    def supports(group: dict[str, Any]) -> bool:
+        """Whether the flat engine can run this group (one dtype and device, floating point)."""
+        params = [p for p in group["params"] if p.numel() > 0]
+        if not params:
+            return False
+        first = params[0]
+        return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
+
+    # ------------------------------------------------------------------ build
+
+    def _adopt(self, state: dict, params: list[torch.Tensor], key: str, flat: torch.Tensor) -> None:
+        """Copy existing state into ``flat`` and make the state entries views of it."""
+        views = _split_views(flat, params)
+        for p, view in zip(params, views, strict=True):
+            old = state[p].get(key)
+            if isinstance(old, torch.Tensor) and old.shape == view.shape:
+                view.copy_(old)
+            state[p][key] = view
+
+    def _build_adam(self, state: dict) -> None:
+        n = sum(p.numel() for p in self.adam)
+        kw = {"device": self.device, "dtype": torch.float32}
+        self.exp_avg = torch.zeros(n, **kw)
+        self.exp_avg_sq = torch.zeros(n, **kw)
+        self.adam_delta = torch.zeros(n, device=self.device, dtype=self.dtype)
+        self.adam_delta_views = _split_views(self.adam_delta, self.adam)
+        fresh = [p for p in self.adam if "exp_avg" not in state[p]]
+        self._adopt(state, self.adam, "exp_avg", self.exp_avg)
+        self._adopt(state, self.adam, "exp_avg_sq", self.exp_avg_sq)
+        for p in fresh:
+            state[p]["beta1_pow"] = 1.0
+            state[p]["beta2_pow"] = 1.0
+
+    def _build_muon(self, state: dict, group: dict[str, Any]) -> None:
+        params = [p for p, _ in self.muon]
+        n = sum(p.numel() for p in params)
+        kw = {"device": self.device}
+        self.momentum = torch.zeros(n, dtype=self.dtype, **kw)
+        self._adopt(state, params, "momentum_buffer", self.momentum)
+        self.muon_delta = torch.zeros(n, dtype=self.dtype, **kw)
+        self.muon_delta_views = _split_views(self.muon_delta, params)
+
+        # Blocks (one per matrix of each view) and their per-block Muon scale.
+        lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
+        lengths, scales = [], []
+        for _, (bs, rows, cols) in self.muon:
+            lengths += [rows * cols] * bs
+            scales += [F.muon_scale(rows, cols, lr_adjust, coeff)] * bs
+        self.block_lengths = torch.tensor(lengths, dtype=torch.int64, **kw)
+        self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
+        self.block_of_element = torch.repeat_interleave(torch.arange(len(lengths), **kw), self.block_lengths)
+        self.magma = bool(group["magma_muon"])
+        if self.magma:
+            self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
+            split = [bs for _, (bs, _, _) in self.muon]
+            for p, view in zip(params, self.scores.split(split), strict=True):
+                old = state[p].get("magma_score")
+                if isinstance(old, torch.Tensor) and old.shape == view.shape:
+                    view.copy_(old)
+                state[p]["magma_score"] = view
+
+        # Buckets of zero-padded stacks, and the index maps into and out of them.
+        use_gram = bool(group["enable_gram"])
+        buckets: dict[tuple[bool, int], _Bucket] = {}
+        offset = 0
+        for _, (bs, rows, cols) in self.muon:
+            gram = use_gram and rows != cols
+            small, large = min(rows, cols), max(rows, cols)
+            b = buckets.setdefault((gram, bucket_key(small, self.device)), _Bucket(gram))
+            b.members.append((offset, bs, rows, cols, b.batch, rows > cols))
+            b.batch += bs
+            b.rows, b.cols = max(b.rows, small), max(b.cols, large)
+            offset += bs * rows * cols
+        for b in buckets.values():
+            src, dst = [], []
+            for off, bs, rows, cols, boff, tall in b.members:
+                k = torch.arange(bs * rows * cols, **kw)
+                i, r, c = k // (rows * cols), (k // cols) % rows, k % cols
+                if tall:  # wide orientation: element (r, c) goes to (c, r)
+                    r, c = c, r
+                src.append(k + off)
+                dst.append(((boff + i) * b.rows + r) * b.cols + c)
+            b.src, b.dst = torch.cat(src), torch.cat(dst)
+            b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=self.dtype, **kw)
+        self.buckets = list(buckets.values())
+
+    # ------------------------------------------------------------------- step
+
+    def step(self, optimizer: Any, group: dict[str, Any]) -> None:
+        """One step of the whole group; every parameter must have a gradient."""
+        lr = float(group["lr"])
+        wd = float(group["weight_decay"])
+        if self.adam:
+            self._adam_step(optimizer.state, group, lr, wd)
+        if self.muon:
+            self._muon_step(group, lr, wd)
+
+    def _adam_step(self, state: dict, group: dict[str, Any], lr: float, wd: float) -> None:
+        beta1, beta2 = (float(b) for b in group["adam_betas"])
+        lr_adjust = float(group["lr_adjust"])
+        adam_lr = lr if lr_adjust <= 0 else lr / lr_adjust
+        for p in self.adam:
+            s = state[p]
+            s["beta1_pow"] *= beta1
+            s["beta2_pow"] *= beta2
+        s0 = state[self.adam[0]]
+        if self.adamw and wd > 0:
+            torch._foreach_mul_(self.adamw, 1.0 - adam_lr * wd)
+        if any(state[p]["beta1_pow"] != s0["beta1_pow"] for p in self.adam):
+            # Parameters at different step counts (e.g. some once had no gradient): per tensor.
+            for p in self.adam:
+                s = state[p]
+                F.adam_update_(
+                    p,
+                    p.grad,
+                    s["exp_avg"],
+                    s["exp_avg_sq"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    beta1_pow=s["beta1_pow"],
+                    beta2_pow=s["beta2_pow"],
+                    lr=adam_lr,
+                    decay_factor=None,
+                )
+            return
+        grads = torch.cat([p.grad.reshape(-1) for p in self.adam]).to(torch.float32)
+        self.exp_avg.lerp_(grads, 1.0 - beta1)
+        self.exp_avg_sq.lerp_(grads * grads, 1.0 - beta2)
+        denom = (self.exp_avg_sq / (1.0 - s0["beta2_pow"])).sqrt_().add_(F.ADAM_EPS)
+        step_size = adam_lr / (1.0 - s0["beta1_pow"])
+        torch.div(self.exp_avg, denom, out=denom)
+        self.adam_delta.copy_(denom.mul_(-step_size))
+        torch._foreach_add_(self.adam, self.adam_delta_views)
+
+    def _muon_step(self, group: dict[str, Any], lr: float, wd: float) -> None:
+        momentum = float(group["momentum"])
+        params = [p for p, _ in self.muon]
+        grads = torch.cat([p.grad.reshape(-1) for p in params]).to(self.dtype)
+        if wd > 0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        self.momentum.lerp_(grads, 1.0 - momentum)
+        update = torch.lerp(grads, self.momentum, momentum)
+
+        scale = self.block_scale
+        if self.magma:
+            m, g = self.momentum.to(torch.float32), grads.to(torch.float32)
+            sums = torch.stack([m * g, m * m, g * g], dim=1)
+            dot, mm, gg = torch.segment_reduce(sums, "sum", lengths=self.block_lengths, axis=0).unbind(1)
+            cos = (dot / (mm.sqrt() * gg.sqrt()).clamp(min=F.MAGMA_EPS)).clamp(-1.0, 1.0)
+            raw = torch.sigmoid(cos / F.MAGMA_TAU)
+            raw = ((raw - F.MAGMA_SIGMOID_LOW) / (F.MAGMA_SIGMOID_HIGH - F.MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
+            scale = scale * F.magma_scale_(self.scores, raw)
+
+        ortho = torch.empty_like(update)
+        for b in self.buckets:
+            b.stack.view(-1).index_copy_(0, b.dst, update.index_select(0, b.src))
+            out = F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack)
+            ortho.index_copy_(0, b.src, out.reshape(-1).index_select(0, b.dst).to(ortho.dtype))
+        element_scale = scale.index_select(0, self.block_of_element).to(ortho.dtype)
+        torch.mul(ortho, element_scale, out=self.muon_delta).mul_(-lr)
+        torch._foreach_add_(params, self.muon_delta_views)
