@@ -6,6 +6,7 @@ into deepmd-kit's ``opt_args_plugin`` in place of the built-in entry.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -17,6 +18,7 @@ __all__ = [
     "HYBRID_MUON_DOC",
     "LEGACY_KEYS",
     "hybrid_muon_arguments",
+    "options_markdown",
     "resolve_legacy_keys",
 ]
 
@@ -203,3 +205,14 @@ def resolve_legacy_keys(optimizer: dict[str, Any]) -> tuple[dict[str, Any], list
             "ignored: matrices are routed by shape and muon_mode. Remove it."
         )
     return out, messages
+
+
+def options_markdown() -> str:
+    """The option table of the README, generated from :func:`hybrid_muon_arguments`."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for arg in hybrid_muon_arguments():
+        types = " \\| ".join(sorted("null" if t is type(None) else t.__name__ for t in arg.dtype))
+        alias = f" (alias `{'`, `'.join(arg.alias)}`)" if arg.alias else ""
+        doc = arg.doc.replace("|", "\\|")
+        lines.append(f"| `{arg.name}`{alias} | {types} | `{json.dumps(arg.default)}` | {doc} |")
+    return "\n".join(lines)

@@ -171,3 +171,13 @@ def test_disable_switch_keeps_the_builtin(tmp_path):
     )
     env = {**__import__("os").environ, plugin.DISABLE_ENV: "1"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
+
+
+def test_readme_option_table_is_generated_from_the_schema():
+    from pathlib import Path
+
+    from deepmd_hybridmuon.schema import options_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("<!-- options:start -->\n", 1)[1].split("\n<!-- options:end -->", 1)[0]
+    assert table == options_markdown()
