@@ -54,6 +54,19 @@ class _Bucket:
     stack: torch.Tensor | None = None  # persistent zero-padded input
 
 
+#: Eager steps before a CUDA graph of the step is captured (lets cuBLAS and the caching
+#: allocator settle, as torch's CUDA-graph notes advise).
+GRAPH_WARMUP = 2
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 def _split_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params, strict=True)]
 
@@ -70,8 +83,15 @@ class GroupEngine:
         self.adam = [p for p, r in zip(self.params, routes, strict=True) if r.route != "muon"]
         self.adamw = [p for p, r in zip(self.params, routes, strict=True) if r.route == "adamw"]
         self.muon = [(p, r.view) for p, r in zip(self.params, routes, strict=True) if r.route == "muon"]
+        self.betas = tuple(float(b) for b in group["adam_betas"])
+        self.beta = float(group["momentum"])
+        self.weight_decay = float(group["weight_decay"]) > 0
+        self.scalars = torch.zeros(6, dtype=torch.float64, device=dev)
         self._build_adam(optimizer.state)
         self._build_muon(optimizer.state, group)
+        self.use_graph = dev.type == "cuda" and optimizer.cuda_graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.eager_steps = 0
 
     @staticmethod
     def signature_of(optimizer: Any, group: dict[str, Any]) -> tuple[Any, ...]:
@@ -85,6 +105,10 @@ class GroupEngine:
             group["magma_muon"],
             float(group["lr_adjust"]) <= 0,
             float(group["lr_adjust"]) if float(group["lr_adjust"]) > 0 else float(group["lr_adjust_coeff"]),
+            # constants baked into the (possibly captured) computation
+            tuple(float(b) for b in group["adam_betas"]),
+            float(group["momentum"]),
+            float(group["weight_decay"]) > 0,
         )
 
     @staticmethod
@@ -94,6 +118,8 @@ class GroupEngine:
         if not params:
             return False
         first = params[0]
+        if any(_is_dtensor(p) for p in params):
+            return False  # FSDP2 shards: the loop handles them
         return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
 
     # ------------------------------------------------------------------ build
@@ -113,6 +139,7 @@ class GroupEngine:
         self.exp_avg = torch.zeros(n, **kw)
         self.exp_avg_sq = torch.zeros(n, **kw)
         self.adam_delta = torch.zeros(n, device=self.device, dtype=self.dtype)
+        self.adam_grad = torch.zeros(n, device=self.device, dtype=self.dtype)
         self.adam_delta_views = _split_views(self.adam_delta, self.adam)
         fresh = [p for p in self.adam if "exp_avg" not in state[p]]
         self._adopt(state, self.adam, "exp_avg", self.exp_avg)
@@ -128,6 +155,7 @@ class GroupEngine:
         self.momentum = torch.zeros(n, dtype=self.dtype, **kw)
         self._adopt(state, params, "momentum_buffer", self.momentum)
         self.muon_delta = torch.zeros(n, dtype=self.dtype, **kw)
+        self.muon_grad = torch.zeros(n, dtype=self.dtype, **kw)
         self.muon_delta_views = _split_views(self.muon_delta, params)
 
         # Blocks (one per matrix of each view) and their per-block Muon scale.
@@ -139,6 +167,9 @@ class GroupEngine:
         self.block_lengths = torch.tensor(lengths, dtype=torch.int64, **kw)
         self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
         self.block_of_element = torch.repeat_interleave(torch.arange(len(lengths), **kw), self.block_lengths)
+        ends = torch.cumsum(self.block_lengths, 0)
+        self.block_end, self.block_start = ends, ends - self.block_lengths  # rows of the running sum
+        self.zero_row = torch.zeros(1, 3, dtype=torch.float64, **kw)
         self.magma = bool(group["magma_muon"])
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
@@ -175,68 +206,120 @@ class GroupEngine:
         self.buckets = list(buckets.values())
 
     # ------------------------------------------------------------------- step
+    #
+    # A step is split in two: ``_stage`` (host bookkeeping, gradient copies into static
+    # buffers, the learning-rate dependent scalars into one device tensor) and
+    # ``_compute`` (all the arithmetic, reading only static buffers). On CUDA,
+    # ``_compute`` is captured once in a CUDA graph after :data:`GRAPH_WARMUP` eager
+    # steps and replayed afterwards; everywhere else it runs eagerly.
 
     def step(self, optimizer: Any, group: dict[str, Any]) -> None:
         """One step of the whole group; every parameter must have a gradient."""
+        uniform = self._stage(optimizer.state, group)
+        if not uniform:
+            # Adam parameters at different step counts (some once had no gradient):
+            # this step runs eagerly, with per-tensor bias corrections.
+            self._compute(adam_per_tensor=optimizer.state)
+            return
+        if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._compute()
+            self.eager_steps += 1
+
+    def _stage(self, state: dict, group: dict[str, Any]) -> bool:
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
-        if self.adam:
-            self._adam_step(optimizer.state, group, lr, wd)
-        if self.muon:
-            self._muon_step(group, lr, wd)
-
-    def _adam_step(self, state: dict, group: dict[str, Any], lr: float, wd: float) -> None:
-        beta1, beta2 = (float(b) for b in group["adam_betas"])
         lr_adjust = float(group["lr_adjust"])
         adam_lr = lr if lr_adjust <= 0 else lr / lr_adjust
-        for p in self.adam:
-            s = state[p]
-            s["beta1_pow"] *= beta1
-            s["beta2_pow"] *= beta2
-        s0 = state[self.adam[0]]
-        if self.adamw and wd > 0:
-            torch._foreach_mul_(self.adamw, 1.0 - adam_lr * wd)
-        if any(state[p]["beta1_pow"] != s0["beta1_pow"] for p in self.adam):
-            # Parameters at different step counts (e.g. some once had no gradient): per tensor.
+        uniform = True
+        step_size = bc2 = 1.0
+        if self.adam:
+            beta1, beta2 = self.betas
             for p in self.adam:
-                s = state[p]
-                F.adam_update_(
-                    p,
-                    p.grad,
-                    s["exp_avg"],
-                    s["exp_avg_sq"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    beta1_pow=s["beta1_pow"],
-                    beta2_pow=s["beta2_pow"],
-                    lr=adam_lr,
-                    decay_factor=None,
-                )
-            return
-        grads = torch.cat([p.grad.reshape(-1) for p in self.adam]).to(torch.float32)
+                st = state[p]
+                st["beta1_pow"] *= beta1
+                st["beta2_pow"] *= beta2
+            s0 = state[self.adam[0]]
+            uniform = all(state[p]["beta1_pow"] == s0["beta1_pow"] for p in self.adam)
+            step_size = adam_lr / (1.0 - s0["beta1_pow"])
+            bc2 = 1.0 - s0["beta2_pow"]
+            torch.cat([p.grad.reshape(-1) for p in self.adam], out=self.adam_grad)
+        if self.muon:
+            torch.cat([p.grad.reshape(-1) for p, _ in self.muon], out=self.muon_grad)
+        values = [1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2, adam_lr]
+        host = torch.tensor(values, dtype=torch.float64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # the caching host allocator keeps it alive until copied
+        self.scalars.copy_(host, non_blocking=True)
+        return uniform
+
+    def _capture(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._compute()
+        self.graph = graph
+
+    def _compute(self, adam_per_tensor: dict | None = None) -> None:
+        muon_decay, neg_lr, adamw_decay, neg_step, bc2, adam_lr = self.scalars.to(self.dtype).unbind(0)
+        if self.adam:
+            if self.adamw and self.weight_decay:
+                torch._foreach_mul_(self.adamw, adamw_decay)
+            if adam_per_tensor is None:
+                self._adam(neg_step.float(), bc2.float())
+            else:
+                self._adam_per_tensor(adam_per_tensor, float(adam_lr))
+        if self.muon:
+            self._muon(muon_decay, neg_lr)
+
+    def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor) -> None:
+        beta1, beta2 = self.betas
+        grads = self.adam_grad.to(torch.float32)
         self.exp_avg.lerp_(grads, 1.0 - beta1)
         self.exp_avg_sq.lerp_(grads * grads, 1.0 - beta2)
-        denom = (self.exp_avg_sq / (1.0 - s0["beta2_pow"])).sqrt_().add_(F.ADAM_EPS)
-        step_size = adam_lr / (1.0 - s0["beta1_pow"])
+        denom = (self.exp_avg_sq / bc2).sqrt_().add_(F.ADAM_EPS)
         torch.div(self.exp_avg, denom, out=denom)
-        self.adam_delta.copy_(denom.mul_(-step_size))
+        self.adam_delta.copy_(denom.mul_(neg_step))
         torch._foreach_add_(self.adam, self.adam_delta_views)
 
-    def _muon_step(self, group: dict[str, Any], lr: float, wd: float) -> None:
-        momentum = float(group["momentum"])
+    def _adam_per_tensor(self, state: dict, adam_lr: float) -> None:
+        beta1, beta2 = self.betas
+        for p in self.adam:
+            st = state[p]
+            F.adam_update_(
+                p,
+                p.grad,
+                st["exp_avg"],
+                st["exp_avg_sq"],
+                beta1=beta1,
+                beta2=beta2,
+                beta1_pow=st["beta1_pow"],
+                beta2_pow=st["beta2_pow"],
+                lr=adam_lr,
+                decay_factor=None,
+            )
+
+    def _muon(self, decay: torch.Tensor, neg_lr: torch.Tensor) -> None:
         params = [p for p, _ in self.muon]
-        grads = torch.cat([p.grad.reshape(-1) for p in params]).to(self.dtype)
-        if wd > 0:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
-        self.momentum.lerp_(grads, 1.0 - momentum)
-        update = torch.lerp(grads, self.momentum, momentum)
+        grads = self.muon_grad
+        if self.weight_decay:
+            torch._foreach_mul_(params, decay)
+        self.momentum.lerp_(grads, 1.0 - self.beta)
+        update = torch.lerp(grads, self.momentum, self.beta)
 
         scale = self.block_scale
         if self.magma:
-            m, g = self.momentum.to(torch.float32), grads.to(torch.float32)
-            sums = torch.stack([m * g, m * m, g * g], dim=1)
-            dot, mm, gg = torch.segment_reduce(sums, "sum", lengths=self.block_lengths, axis=0).unbind(1)
-            cos = (dot / (mm.sqrt() * gg.sqrt()).clamp(min=F.MAGMA_EPS)).clamp(-1.0, 1.0)
+            # Per-block sums of m*g, m*m, g*g as differences of a float64 running sum:
+            # blocks are contiguous in the flat vector; one scan, deterministic.
+            m, g = self.momentum.to(torch.float64), grads.to(torch.float64)
+            running = torch.cat([self.zero_row, torch.stack([m * g, m * m, g * g], dim=1).cumsum(0)])
+            dot, mm, gg = (running.index_select(0, self.block_end) - running.index_select(0, self.block_start)).unbind(
+                1
+            )
+            denom = (mm.clamp(min=0).sqrt() * gg.clamp(min=0).sqrt()).float().clamp(min=F.MAGMA_EPS)
+            cos = (dot.float() / denom).clamp(-1.0, 1.0)
             raw = torch.sigmoid(cos / F.MAGMA_TAU)
             raw = ((raw - F.MAGMA_SIGMOID_LOW) / (F.MAGMA_SIGMOID_HIGH - F.MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
             scale = scale * F.magma_scale_(self.scores, raw)
@@ -247,5 +330,5 @@ class GroupEngine:
             out = F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack)
             ortho.index_copy_(0, b.src, out.reshape(-1).index_select(0, b.dst).to(ortho.dtype))
         element_scale = scale.index_select(0, self.block_of_element).to(ortho.dtype)
-        torch.mul(ortho, element_scale, out=self.muon_delta).mul_(-lr)
+        torch.mul(ortho, element_scale, out=self.muon_delta).mul_(neg_lr)
         torch._foreach_add_(params, self.muon_delta_views)

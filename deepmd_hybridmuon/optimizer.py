@@ -174,6 +174,10 @@ class HybridMuonOptimizer(Optimizer):
         Keyword-only. ``True`` (default): the flat engine (:mod:`deepmd_hybridmuon.flat`),
         a few dozen kernels per step whatever the number of parameters. ``False``: the
         plain per-parameter loop, the specification the engine is tested against.
+    cuda_graph
+        Keyword-only. On CUDA, capture the flat engine's arithmetic in a CUDA graph after two
+        eager steps and replay it (the learning rate and bias corrections are read from a
+        device tensor, so schedulers keep working). ``False`` keeps every step eager.
     """
 
     def __init__(
@@ -193,8 +197,9 @@ class HybridMuonOptimizer(Optimizer):
         use_foreach: bool | None = None,
         *,
         batched: bool = True,
+        cuda_graph: bool = True,
     ) -> None:
-        for key, flag in (("flash_muon", flash_muon), ("batched", batched)):
+        for key, flag in (("flash_muon", flash_muon), ("batched", batched), ("cuda_graph", cuda_graph)):
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {key}: {flag!r}; expected true or false")
         if use_foreach is not None and not isinstance(use_foreach, bool):
@@ -215,6 +220,7 @@ class HybridMuonOptimizer(Optimizer):
         self.flash_muon = flash_muon
         self.use_foreach = use_foreach
         self.batched = batched
+        self.cuda_graph = cuda_graph
         self._param_names: dict[int, str] = {}
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
