@@ -169,7 +169,7 @@ class GroupEngine:
         self.block_of_element = torch.repeat_interleave(torch.arange(len(lengths), **kw), self.block_lengths)
         ends = torch.cumsum(self.block_lengths, 0)
         self.block_end, self.block_start = ends, ends - self.block_lengths  # rows of the running sum
-        self.zero_row = torch.zeros(1, 3, dtype=torch.float64, **kw)
+        self.zero_col = torch.zeros(3, 1, dtype=torch.float64, **kw)
         self.magma = bool(group["magma_muon"])
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
@@ -314,10 +314,10 @@ class GroupEngine:
             # Per-block sums of m*g, m*m, g*g as differences of a float64 running sum:
             # blocks are contiguous in the flat vector; one scan, deterministic.
             m, g = self.momentum.to(torch.float64), grads.to(torch.float64)
-            running = torch.cat([self.zero_row, torch.stack([m * g, m * m, g * g], dim=1).cumsum(0)])
-            dot, mm, gg = (running.index_select(0, self.block_end) - running.index_select(0, self.block_start)).unbind(
-                1
-            )
+            # (3, n) with the scan along the contiguous last dimension (a scan across rows of
+            # an (n, 3) tensor is a slow strided kernel on CUDA).
+            running = torch.cat([self.zero_col, torch.stack([m * g, m * m, g * g]).cumsum(1)], dim=1)
+            dot, mm, gg = running.index_select(1, self.block_end) - running.index_select(1, self.block_start)
             denom = (mm.clamp(min=0).sqrt() * gg.clamp(min=0).sqrt()).float().clamp(min=F.MAGMA_EPS)
             cos = (dot.float() / denom).clamp(-1.0, 1.0)
             raw = torch.sigmoid(cos / F.MAGMA_TAU)

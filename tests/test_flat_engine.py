@@ -41,7 +41,9 @@ def _params(dtype: torch.dtype, device: str) -> dict[str, torch.nn.Parameter]:
 
 def _run(batched: bool, dtype: torch.dtype, device: str, steps: int = 6, **options):
     params = _params(dtype, device)
-    opt = HybridMuonOptimizer(list(params.values()), lr=1e-2, named_parameters=params.items(), batched=batched, **options)
+    opt = HybridMuonOptimizer(
+        list(params.values()), lr=1e-2, named_parameters=params.items(), batched=batched, **options
+    )
     gen = torch.Generator().manual_seed(1)
     start = {k: p.detach().clone() for k, p in params.items()}
     for _ in range(steps):
