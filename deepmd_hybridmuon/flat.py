@@ -168,8 +168,9 @@ class GroupEngine:
         self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
         self.block_of_element = torch.repeat_interleave(torch.arange(len(lengths), **kw), self.block_lengths)
         ends = torch.cumsum(self.block_lengths, 0)
-        self.block_end, self.block_start = ends, ends - self.block_lengths  # rows of the running sum
-        self.zero_col = torch.zeros(3, 1, dtype=torch.float64, **kw)
+        ends = torch.cat([ends + k * n for k in range(3)])  # in the running sum of 3 stacked vectors
+        self.block_end, self.block_start = ends, ends - self.block_lengths.repeat(3)
+        self.zero_col = torch.zeros(1, dtype=torch.float64, **kw)
         self.magma = bool(group["magma_muon"])
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
@@ -311,13 +312,13 @@ class GroupEngine:
 
         scale = self.block_scale
         if self.magma:
-            # Per-block sums of m*g, m*m, g*g as differences of a float64 running sum:
-            # blocks are contiguous in the flat vector; one scan, deterministic.
+            # Per-block sums of m*g, m*m, g*g as differences of one float64 running sum over
+            # their concatenation (blocks are contiguous): a single 1-D scan, which CUDA runs
+            # device-wide (scans along a dimension of a 2-D tensor run one block per row).
             m, g = self.momentum.to(torch.float64), grads.to(torch.float64)
-            # (3, n) with the scan along the contiguous last dimension (a scan across rows of
-            # an (n, 3) tensor is a slow strided kernel on CUDA).
-            running = torch.cat([self.zero_col, torch.stack([m * g, m * m, g * g]).cumsum(1)], dim=1)
-            dot, mm, gg = running.index_select(1, self.block_end) - running.index_select(1, self.block_start)
+            running = torch.cat([self.zero_col, torch.cat([m * g, m * m, g * g]).cumsum(0)])
+            sums = running.index_select(0, self.block_end) - running.index_select(0, self.block_start)
+            dot, mm, gg = sums.view(3, -1)
             denom = (mm.clamp(min=0).sqrt() * gg.clamp(min=0).sqrt()).float().clamp(min=F.MAGMA_EPS)
             cos = (dot.float() / denom).clamp(-1.0, 1.0)
             raw = torch.sigmoid(cos / F.MAGMA_TAU)
