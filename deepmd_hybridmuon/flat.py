@@ -52,6 +52,8 @@ class _Bucket:
     src: torch.Tensor | None = None  # positions in the flat Muon vector
     dst: torch.Tensor | None = None  # positions in the padded stack
     stack: torch.Tensor | None = None  # persistent zero-padded input
+    blocks: list[int] = field(default_factory=list)  # global block index of each stack row
+    block_ids: torch.Tensor | None = None
 
 
 #: Eager steps before a CUDA graph of the step is captured (lets cuBLAS and the caching
@@ -167,10 +169,6 @@ class GroupEngine:
         self.block_lengths = torch.tensor(lengths, dtype=torch.int64, **kw)
         self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
         self.block_of_element = torch.repeat_interleave(torch.arange(len(lengths), **kw), self.block_lengths)
-        ends = torch.cumsum(self.block_lengths, 0)
-        ends = torch.cat([ends + k * n for k in range(3)])  # in the running sum of 3 stacked vectors
-        self.block_end, self.block_start = ends, ends - self.block_lengths.repeat(3)
-        self.zero_col = torch.zeros(1, dtype=torch.float64, **kw)
         self.magma = bool(group["magma_muon"])
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
@@ -184,12 +182,14 @@ class GroupEngine:
         # Buckets of zero-padded stacks, and the index maps into and out of them.
         use_gram = bool(group["enable_gram"])
         buckets: dict[tuple[bool, int], _Bucket] = {}
-        offset = 0
+        offset = block = 0
         for _, (bs, rows, cols) in self.muon:
             gram = use_gram and rows != cols
             small, large = min(rows, cols), max(rows, cols)
             b = buckets.setdefault((gram, bucket_key(small, self.device)), _Bucket(gram))
             b.members.append((offset, bs, rows, cols, b.batch, rows > cols))
+            b.blocks.extend(range(block, block + bs))
+            block += bs
             b.batch += bs
             b.rows, b.cols = max(b.rows, small), max(b.cols, large)
             offset += bs * rows * cols
@@ -204,6 +204,7 @@ class GroupEngine:
                 dst.append(((boff + i) * b.rows + r) * b.cols + c)
             b.src, b.dst = torch.cat(src), torch.cat(dst)
             b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=self.dtype, **kw)
+            b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, **kw)
         self.buckets = list(buckets.values())
 
     # ------------------------------------------------------------------- step
@@ -265,27 +266,30 @@ class GroupEngine:
 
     def _compute(self, adam_per_tensor: dict | None = None) -> None:
         muon_decay, neg_lr, adamw_decay, neg_step, bc2, adam_lr = self.scalars.to(self.dtype).unbind(0)
+        # 1.0, or 0.0 when a gradient is not finite: the step is then skipped (functional.py).
+        flat_grads = [g for g in (self.adam_grad, self.muon_grad) if g.numel()]
+        ok = F.finite_gate(flat_grads) if flat_grads else torch.ones((), device=self.device)
         if self.adam:
             if self.adamw and self.weight_decay:
-                torch._foreach_mul_(self.adamw, adamw_decay)
+                torch._foreach_mul_(self.adamw, F.gate_factor(adamw_decay, ok, self.dtype))
             if adam_per_tensor is None:
-                self._adam(neg_step.float(), bc2.float())
+                self._adam(neg_step.float() * ok, bc2.float(), ok)
             else:
-                self._adam_per_tensor(adam_per_tensor, float(adam_lr))
+                self._adam_per_tensor(adam_per_tensor, float(adam_lr), ok)
         if self.muon:
-            self._muon(muon_decay, neg_lr)
+            self._muon(F.gate_factor(muon_decay, ok, self.dtype), neg_lr * ok.to(self.dtype), ok)
 
-    def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor) -> None:
+    def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor, ok: torch.Tensor) -> None:
         beta1, beta2 = self.betas
-        grads = self.adam_grad.to(torch.float32)
-        self.exp_avg.lerp_(grads, 1.0 - beta1)
-        self.exp_avg_sq.lerp_(grads * grads, 1.0 - beta2)
+        grads = F.sanitize(self.adam_grad.to(torch.float32), ok)
+        self.exp_avg.lerp_(grads, ok * (1.0 - beta1))
+        self.exp_avg_sq.lerp_(grads * grads, ok * (1.0 - beta2))
         denom = (self.exp_avg_sq / bc2).sqrt_().add_(F.ADAM_EPS)
         torch.div(self.exp_avg, denom, out=denom)
         self.adam_delta.copy_(denom.mul_(neg_step))
         torch._foreach_add_(self.adam, self.adam_delta_views)
 
-    def _adam_per_tensor(self, state: dict, adam_lr: float) -> None:
+    def _adam_per_tensor(self, state: dict, adam_lr: float, ok: torch.Tensor) -> None:
         beta1, beta2 = self.betas
         for p in self.adam:
             st = state[p]
@@ -300,30 +304,35 @@ class GroupEngine:
                 beta2_pow=st["beta2_pow"],
                 lr=adam_lr,
                 decay_factor=None,
+                ok=ok,
             )
 
-    def _muon(self, decay: torch.Tensor, neg_lr: torch.Tensor) -> None:
+    def _muon(self, decay: torch.Tensor, neg_lr: torch.Tensor, ok: torch.Tensor) -> None:
         params = [p for p, _ in self.muon]
-        grads = self.muon_grad
+        grads = F.sanitize(self.muon_grad, ok)
         if self.weight_decay:
             torch._foreach_mul_(params, decay)
-        self.momentum.lerp_(grads, 1.0 - self.beta)
+        self.momentum.lerp_(grads, ok.to(self.dtype) * (1.0 - self.beta))
         update = torch.lerp(grads, self.momentum, self.beta)
 
         scale = self.block_scale
         if self.magma:
-            # Per-block sums of m*g, m*m, g*g as differences of one float64 running sum over
-            # their concatenation (blocks are contiguous): a single 1-D scan, which CUDA runs
-            # device-wide (scans along a dimension of a 2-D tensor run one block per row).
-            m, g = self.momentum.to(torch.float64), grads.to(torch.float64)
-            running = torch.cat([self.zero_col, torch.cat([m * g, m * m, g * g]).cumsum(0)])
-            sums = running.index_select(0, self.block_end) - running.index_select(0, self.block_start)
-            dot, mm, gg = sums.view(3, -1)
-            denom = (mm.clamp(min=0).sqrt() * gg.clamp(min=0).sqrt()).float().clamp(min=F.MAGMA_EPS)
-            cos = (dot.float() / denom).clamp(-1.0, 1.0)
+            # Per-block sums of m*g, m*m, g*g: scattered into the zero-padded layout of the
+            # Newton-Schulz stacks (one row per block) and summed per row: deterministic, and
+            # each block is summed on its own, whatever the scale of the other blocks.
+            m, g = self.momentum.to(torch.float32), grads.to(torch.float32)
+            products = torch.stack([m * g, m * m, g * g])
+            sums = torch.empty(3, self.block_scale.numel(), dtype=torch.float32, device=self.device)
+            for b in self.buckets:
+                padded = torch.zeros(3, b.stack.numel(), dtype=torch.float32, device=self.device)
+                padded.index_copy_(1, b.dst, products.index_select(1, b.src))
+                sums.index_copy_(1, b.block_ids, padded.view(3, b.batch, -1).sum(-1))
+            dot, mm, gg = sums
+            denom = (mm.sqrt() * gg.sqrt()).clamp(min=F.MAGMA_EPS)
+            cos = (dot / denom).clamp(-1.0, 1.0)
             raw = torch.sigmoid(cos / F.MAGMA_TAU)
             raw = ((raw - F.MAGMA_SIGMOID_LOW) / (F.MAGMA_SIGMOID_HIGH - F.MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
-            scale = scale * F.magma_scale_(self.scores, raw)
+            scale = scale * F.magma_scale_(self.scores, raw, ok)
 
         ortho = torch.empty_like(update)
         for b in self.buckets:

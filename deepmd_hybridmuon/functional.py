@@ -35,6 +35,8 @@ __all__ = [
     "ParamRoute",
     "adam_update_",
     "effective_shape",
+    "finite_gate",
+    "gate_factor",
     "gram_newton_schulz",
     "leaf_name",
     "magma_raw_score",
@@ -45,6 +47,7 @@ __all__ = [
     "newton_schulz",
     "orthogonalize",
     "route_parameter",
+    "sanitize",
 ]
 
 Route = Literal["muon", "adam", "adamw"]
@@ -315,9 +318,11 @@ def muon_scale(rows: int, cols: int, lr_adjust: float, lr_adjust_coeff: float) -
     return max(1.0, rows / cols) ** 0.5
 
 
-def nesterov_momentum_(buf: torch.Tensor, grad: torch.Tensor, momentum: float) -> torch.Tensor:
-    """m <- beta m + (1 - beta) g in place; return the Nesterov look-ahead beta m + (1 - beta) g."""
-    buf.lerp_(grad, 1.0 - momentum)
+def nesterov_momentum_(
+    buf: torch.Tensor, grad: torch.Tensor, momentum: float, ok: torch.Tensor | float = 1.0
+) -> torch.Tensor:
+    """m <- beta m + (1 - beta) g in place (not when ``ok`` is 0); return beta m + (1 - beta) g."""
+    buf.lerp_(grad, ok.to(buf.dtype) * (1.0 - momentum) if isinstance(ok, torch.Tensor) else 1.0 - momentum)
     return torch.lerp(grad, buf, momentum)
 
 
@@ -337,9 +342,13 @@ def magma_raw_score(momentum: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return ((s - MAGMA_SIGMOID_LOW) / (MAGMA_SIGMOID_HIGH - MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
 
 
-def magma_scale_(score: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-    """EMA ``score`` towards ``raw`` in place; return the block multipliers in [0.1, 1]."""
-    score.mul_(MAGMA_EMA_DECAY).add_(raw, alpha=1.0 - MAGMA_EMA_DECAY)
+def magma_scale_(score: torch.Tensor, raw: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
+    """EMA ``score`` towards ``raw`` in place (kept when ``ok`` is 0); return the multipliers in [0.1, 1]."""
+    if ok is None:
+        score.mul_(MAGMA_EMA_DECAY).add_(raw, alpha=1.0 - MAGMA_EMA_DECAY)
+    else:
+        new = (score * MAGMA_EMA_DECAY).add_(raw, alpha=1.0 - MAGMA_EMA_DECAY)
+        score.copy_(torch.where(ok > 0, new, score))
     return MAGMA_MIN_SCALE + (1.0 - MAGMA_MIN_SCALE) * score
 
 
@@ -355,18 +364,58 @@ def adam_update_(
     beta2_pow: float,
     lr: float,
     decay_factor: float | None,
+    ok: torch.Tensor | None = None,
 ) -> None:
     """One Adam(W) step on ``param`` with float32 moments.
 
     ``beta*_pow`` are beta^t for the current step t (already multiplied in).
     ``decay_factor`` (``1 - lr * weight_decay``) multiplies the parameter first
-    (decoupled decay); ``None`` for no decay.
+    (decoupled decay); ``None`` for no decay. ``ok`` (see :func:`finite_gate`): a 0-dim
+    float tensor, 1 to step, 0 to leave parameter and moments unchanged.
     """
-    if decay_factor is not None:
-        param.mul_(decay_factor)
     g = grad.to(torch.float32)
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.lerp_(g * g, 1.0 - beta2)
-    step_size = lr / (1.0 - beta1_pow)
+    if ok is None:
+        if decay_factor is not None:
+            param.mul_(decay_factor)
+        exp_avg.lerp_(g, 1.0 - beta1)
+        exp_avg_sq.lerp_(g * g, 1.0 - beta2)
+        neg_step: float | torch.Tensor = -lr / (1.0 - beta1_pow)
+    else:
+        if decay_factor is not None:
+            param.mul_(gate_factor(decay_factor, ok, param.dtype))
+        g = sanitize(g, ok)
+        exp_avg.lerp_(g, ok * (1.0 - beta1))
+        exp_avg_sq.lerp_(g * g, ok * (1.0 - beta2))
+        neg_step = ok * (-lr / (1.0 - beta1_pow))
     denom = (exp_avg_sq / (1.0 - beta2_pow)).sqrt().add_(ADAM_EPS)
-    param.add_((-step_size * (exp_avg / denom)).to(param.dtype))
+    param.add_((neg_step * (exp_avg / denom)).to(param.dtype))
+
+
+# ---------------------------------------------------------------------------
+# Non-finite gradients
+# ---------------------------------------------------------------------------
+#
+# A step whose gradients contain a NaN or an infinity is skipped, on the device and
+# without a host synchronisation: ``ok`` is 1.0 or 0.0, every state blend weight and
+# every parameter increment is multiplied by it, and gradients are zeroed where they are
+# not finite so that 0 * NaN never happens. Parameters, momenta, Adam moments and Magma
+# scores then keep their values. (deepmd-kit's built-in writes NaN into the parameters.)
+
+
+def finite_gate(grads: list[torch.Tensor]) -> torch.Tensor:
+    """0-dim float32 tensor: 1.0 if every element of every gradient is finite, else 0.0."""
+    device = grads[0].device
+    flags = torch.stack([torch.isfinite(g).all().to(device) for g in grads])
+    return flags.all().to(torch.float32)
+
+
+def sanitize(grad: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """``grad`` when the step is taken, zeros otherwise (so NaN never meets a zero weight)."""
+    return torch.where(ok > 0, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+def gate_factor(factor: float | torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A multiplicative factor (weight decay) in ``dtype`` that becomes 1 when the step is skipped."""
+    if not isinstance(factor, torch.Tensor):
+        factor = torch.tensor(factor, dtype=dtype, device=ok.device)
+    return torch.where(ok > 0, factor.to(dtype), 1.0)

@@ -276,6 +276,11 @@ class HybridMuonOptimizer(Optimizer):
 
     # -------------------------------------------------------------- checkpoint
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """torch adds ``differentiable`` to the defaults here; it is no HybridMuon key."""
+        super().__setstate__(state)
+        self.defaults.pop("differentiable", None)
+
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"hybridmuon": {"version": ...}`` naming the writer.
 
@@ -347,20 +352,24 @@ class HybridMuonOptimizer(Optimizer):
         lr_adjust = float(group["lr_adjust"])
         adam_lr = lr if lr_adjust <= 0 else lr / lr_adjust
         muon: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]] = []
-        for p in group["params"]:
-            if p.grad is None or p.numel() == 0:
-                continue
+        active = [p for p in group["params"] if p.grad is not None and p.numel() > 0]
+        if not active:
+            return
+        ok = F.finite_gate([p.grad for p in active])
+        for p in active:
             route = self.route_of(p, group)
             if route.route == "muon":
                 assert route.view is not None  # route_parameter gives a view for every Muon route
                 muon.append((p, p.grad, route.view))
                 continue
             decay = (1.0 - adam_lr * wd) if (route.route == "adamw" and wd > 0) else None
-            self._adam(p, beta1, beta2, adam_lr, decay)
+            self._adam(p, beta1, beta2, adam_lr, decay, ok)
         if muon:
-            self._muon(group, muon)
+            self._muon(group, muon, ok)
 
-    def _adam(self, p: torch.Tensor, beta1: float, beta2: float, lr: float, decay: float | None) -> None:
+    def _adam(
+        self, p: torch.Tensor, beta1: float, beta2: float, lr: float, decay: float | None, ok: torch.Tensor
+    ) -> None:
         state = self.state[p]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
@@ -380,10 +389,14 @@ class HybridMuonOptimizer(Optimizer):
             beta2_pow=state["beta2_pow"],
             lr=lr,
             decay_factor=decay,
+            ok=ok,
         )
 
     def _muon(
-        self, group: dict[str, Any], entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]]
+        self,
+        group: dict[str, Any],
+        entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]],
+        ok: torch.Tensor,
     ) -> None:
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
@@ -399,10 +412,10 @@ class HybridMuonOptimizer(Optimizer):
             buf = state.get("momentum_buffer")
             if buf is None:
                 buf = state["momentum_buffer"] = torch.zeros_like(grad)
-            grad = grad.to(buf.dtype)
+            grad = F.sanitize(grad.to(buf.dtype), ok)
             if wd > 0:
-                p.mul_(1.0 - lr * wd)
-            update = F.nesterov_momentum_(buf, grad, momentum)
+                p.mul_(F.gate_factor(1.0 - lr * wd, ok, p.dtype))
+            update = F.nesterov_momentum_(buf, grad, momentum, ok)
             updates.append(update.reshape(bs, rows, cols))
             if magma:
                 score = state.get("magma_score")
@@ -410,7 +423,7 @@ class HybridMuonOptimizer(Optimizer):
                     score = torch.full((bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=p.device)
                     state["magma_score"] = score
                 raw = F.magma_raw_score(buf.reshape(bs, -1), grad.reshape(bs, -1))
-                scales.append(F.magma_scale_(score, raw))
+                scales.append(F.magma_scale_(score, raw, ok))
             else:
                 scales.append(None)
 
@@ -420,4 +433,4 @@ class HybridMuonOptimizer(Optimizer):
             delta = orth * F.muon_scale(rows, cols, lr_adjust, coeff)
             if damp is not None:
                 delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
-            p.add_(delta.reshape(p.shape), alpha=-lr)
+            p.addcmul_(delta.reshape(p.shape), ok.to(p.dtype) * -lr)

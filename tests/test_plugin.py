@@ -7,9 +7,9 @@ import sys
 import types
 import warnings
 
+import deepmd.backend  # noqa: F401  (loads our "deepmd.backend" entry point, as `dp` does)
 import pytest
 
-import deepmd.backend  # noqa: F401  (loads our "deepmd.backend" entry point, as `dp` does)
 from deepmd_hybridmuon import HybridMuonOptimizer, plugin
 from deepmd_hybridmuon.schema import hybrid_muon_arguments
 

@@ -1,0 +1,227 @@
+"""Shared fixtures: tiny real deepmd-kit PyTorch models and helpers to drive optimizers.
+
+The three model configurations are shrunk copies of the ``model`` sections of
+``/work/shared/configs/{se_e2_a,dpa2_small,dpa3}_water.json``: same descriptor type and
+options (three-body repinit, res_residual repformer/repflow updates, resnet_dt fitting,
+...), far fewer neurons, layers and neighbours. They keep every parameter kind deepmd
+creates for these descriptors: weight matrices (square, tall, wide), vectors whose shape
+has a size-1 dimension (``(1, n)`` embedding matrices, ``(n, 1)`` output layers), biases,
+``idt`` timesteps, ``ParameterList`` residual scales (names ending in a digit) and the
+size-0 ``compress_info`` / ``compress_data`` placeholders.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+MODEL_NAMES: tuple[str, ...] = ("se_e2_a", "dpa2", "dpa3")
+TYPE_MAP: list[str] = ["O", "H"]
+
+_SE_E2_A: dict = {
+    "type_map": TYPE_MAP,
+    "descriptor": {
+        "type": "se_e2_a",
+        "sel": [4, 8],
+        "rcut_smth": 0.5,
+        "rcut": 4.0,
+        "neuron": [4, 8],
+        "resnet_dt": False,
+        "axis_neuron": 2,
+        "type_one_side": True,
+        "seed": 1,
+    },
+    "fitting_net": {"neuron": [8, 8], "resnet_dt": True, "seed": 1},
+}
+
+_DPA2: dict = {
+    "type_map": TYPE_MAP,
+    "descriptor": {
+        "type": "dpa2",
+        "repinit": {
+            "tebd_dim": 4,
+            "rcut": 4.0,
+            "rcut_smth": 0.5,
+            "nsel": 8,
+            "neuron": [4, 8],
+            "axis_neuron": 2,
+            "activation_function": "tanh",
+            "three_body_sel": 4,
+            "three_body_rcut": 3.0,
+            "three_body_rcut_smth": 2.5,
+            "use_three_body": True,
+        },
+        "repformer": {
+            "rcut": 3.0,
+            "rcut_smth": 2.5,
+            "nsel": 4,
+            "nlayers": 2,
+            "g1_dim": 8,
+            "g2_dim": 4,
+            "attn2_hidden": 4,
+            "attn2_nhead": 2,
+            "attn1_hidden": 8,
+            "attn1_nhead": 2,
+            "axis_neuron": 2,
+            "update_h2": False,
+            "update_g1_has_conv": True,
+            "update_g1_has_grrg": True,
+            "update_g1_has_drrd": True,
+            "update_g1_has_attn": False,
+            "update_g2_has_g1g1": False,
+            "update_g2_has_attn": False,
+            "update_style": "res_residual",
+            "update_residual": 0.01,
+            "update_residual_init": "norm",
+            "attn2_has_gate": True,
+            "use_sqrt_nnei": True,
+            "g1_out_conv": True,
+            "g1_out_mlp": True,
+        },
+        "precision": "float64",
+        "add_tebd_to_repinit_out": False,
+        "seed": 1,
+    },
+    "fitting_net": {"neuron": [8, 8], "resnet_dt": True, "precision": "float64", "seed": 1},
+}
+
+_DPA3: dict = {
+    "type_map": TYPE_MAP,
+    "descriptor": {
+        "type": "dpa3",
+        "repflow": {
+            "n_dim": 8,
+            "e_dim": 6,
+            "a_dim": 4,
+            "nlayers": 2,
+            "e_rcut": 4.0,
+            "e_rcut_smth": 3.5,
+            "e_sel": 8,
+            "a_rcut": 3.0,
+            "a_rcut_smth": 2.5,
+            "a_sel": 4,
+            "axis_neuron": 2,
+            "fix_stat_std": 0.3,
+            "a_compress_rate": 1,
+            "a_compress_e_rate": 2,
+            "a_compress_use_split": True,
+            "update_angle": True,
+            "smooth_edge_update": True,
+            "edge_init_use_dist": True,
+            "use_exp_switch": True,
+            "update_style": "res_residual",
+            "update_residual": 0.1,
+            "update_residual_init": "const",
+        },
+        "activation_function": "silut:10.0",
+        "use_tebd_bias": False,
+        "precision": "float32",
+        "concat_output_tebd": False,
+        "seed": 1,
+    },
+    "fitting_net": {
+        "neuron": [8, 8],
+        "resnet_dt": True,
+        "precision": "float32",
+        "activation_function": "silut:10.0",
+        "seed": 1,
+    },
+}
+
+MODEL_CONFIGS: dict[str, dict] = {"se_e2_a": _SE_E2_A, "dpa2": _DPA2, "dpa3": _DPA3}
+
+
+def model_config(name: str, precision: str | None = None) -> dict:
+    """The ``model`` section of ``name``, normalised and checked by deepmd's argcheck.
+
+    ``precision`` (``"float32"`` / ``"float64"``) overrides the descriptor's and the
+    fitting net's precision.
+    """
+    from deepmd.utils.argcheck import model_args
+
+    raw = copy.deepcopy(MODEL_CONFIGS[name])
+    if precision is not None:
+        raw["descriptor"]["precision"] = precision
+        raw["fitting_net"]["precision"] = precision
+    spec = model_args()
+    normalized = spec.normalize_value(raw, trim_pattern="_*")
+    spec.check_value(normalized, strict=True)
+    return normalized
+
+
+def build_model(name: str, precision: str | None = None) -> torch.nn.Module:
+    """A fresh deepmd-kit PyTorch model (same seed, hence same initial weights, every call)."""
+    from deepmd.pt.model.model import get_model
+
+    return get_model(model_config(name, precision))
+
+
+@functools.cache
+def _cached_model(name: str) -> torch.nn.Module:
+    return build_model(name)
+
+
+def model_named_parameters(name: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """``model.named_parameters()`` of the session-cached model ``name``.
+
+    The parameters are shared by every caller: tests that step an optimizer must work
+    on :func:`clone_named` copies.
+    """
+    return list(_cached_model(name).named_parameters())
+
+
+def clone_named(named: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter]]:
+    """Fresh leaf parameters with the same names, values, dtypes and ``requires_grad``."""
+    return [(n, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)) for n, p in named]
+
+
+def seeded_grads(params: list[torch.Tensor], step: int, seed: int = 1234) -> list[torch.Tensor]:
+    """Deterministic random gradients for ``params`` at ``step`` (same call -> same tensors)."""
+    gen = torch.Generator().manual_seed(seed + 7919 * step)
+    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params]
+
+
+def set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Assign copies of ``grads`` to the ``.grad`` of the trainable ``params``."""
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone() if p.requires_grad else None
+
+
+def run_steps(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: range | list[int], seed: int = 1234
+) -> None:
+    """Step ``opt`` once per entry of ``steps`` with :func:`seeded_grads` of that step index."""
+    for k in steps:
+        set_grads(params, seeded_grads(params, k, seed))
+        opt.step()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _single_intra_op_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread for the whole session.
+
+    Every matrix here is small (mostly under 64 x 64), so OpenMP fork/join dominates: on this
+    2-core machine, with another process busy, a 8 x 16 bfloat16 ``bmm`` takes ~10 ms
+    with two threads and ~7 us with one. One thread also fixes the reduction order, which
+    keeps the bitwise assertions independent of the machine's load.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def named_params() -> Callable[[str], list[tuple[str, torch.nn.Parameter]]]:
+    """``named_params(name)`` -> ``list[(name, Parameter)]`` of the cached model (do not step them)."""
+    return model_named_parameters
+
+
+@pytest.fixture(scope="session", params=MODEL_NAMES)
+def model_name(request: pytest.FixtureRequest) -> str:
+    """Each of the three descriptor families in turn."""
+    return request.param

@@ -1,0 +1,140 @@
+"""Real `dp --pt train` runs on the bundled example (fewer steps): our optimizer is used,
+loss decreases, restarts continue, both input styles work.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deepmd_hybridmuon.optimizer import GROUP_KEYS
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DP = [sys.executable, "-m", "deepmd"]
+LOG_LINE = "optimizer: deepmd-hybridmuon"
+
+
+def _dp(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(
+        [*DP, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})},
+        timeout=900,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
+def _lcurve(path: Path) -> np.ndarray:
+    return np.atleast_2d(np.loadtxt(path))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example's data (fewer frames) and its input.json with a short schedule."""
+    root = tmp_path_factory.mktemp("dp_train")
+    subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "make_data.py"),
+            "--out",
+            str(root / "data"),
+            "--ntrain",
+            "60",
+            "--nvalid",
+            "12",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return root
+
+
+def _input(workdir: Path, steps: int, *, legacy: bool = False, **optimizer: object) -> dict:
+    source = EXAMPLES / ("input_legacy.json" if legacy else "input.json")
+    config = copy.deepcopy(json.loads(source.read_text()))
+    training = config["training"]
+    training["training_data"]["systems"] = [str(workdir / "data" / "train")]
+    training["validation_data"]["systems"] = [str(workdir / "data" / "valid")]
+    training.update(numb_steps=steps, disp_freq=10, save_freq=steps)
+    training.pop("stat_file", None)
+    config["learning_rate"]["decay_steps"] = max(1, steps // 4)
+    if optimizer:
+        section = training if legacy else config["optimizer"]
+        section.update(optimizer)
+    return config
+
+
+def _run(workdir: Path, name: str, config: dict, extra: list[str] = ()) -> tuple[Path, str]:
+    run_dir = workdir / name
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "input.json").write_text(json.dumps(config, indent=1))
+    return run_dir, _dp(["--pt", "train", "input.json", *extra], run_dir)
+
+
+@pytest.fixture(scope="module")
+def first_run(workdir: Path) -> tuple[Path, str]:
+    return _run(workdir, "new_style", _input(workdir, 60))
+
+
+def test_trains_with_our_optimizer_and_loss_decreases(first_run):
+    run_dir, log = first_run
+    assert log.count(LOG_LINE) == 1, log[-3000:]
+    assert "routing: muon" in log
+    curve = _lcurve(run_dir / "lcurve.out")
+    # columns: step, rmse_val, rmse_trn, ...; compare the validation loss of the first and
+    # last lines (60 steps at the example's learning rate cut it several-fold).
+    assert curve[-1, 0] == 60
+    assert curve[-1, 1] < 0.7 * curve[0, 1], curve[:, :3]
+
+    ckpt = torch.load(run_dir / "model.ckpt-60.pt", map_location="cpu", weights_only=False)
+    optim = ckpt["optimizer"]
+    assert optim["hybridmuon"]["version"]  # written by our optimizer
+    assert set(optim["param_groups"][0]) >= set(GROUP_KEYS)
+    states = list(optim["state"].values())
+    assert any("momentum_buffer" in s and "magma_score" in s for s in states)
+    assert any("exp_avg" in s and s["exp_avg"].dtype == torch.float32 for s in states)
+
+
+def test_restart_continues_and_input_settings_win(workdir, first_run):
+    run_dir, _ = first_run
+    restart_dir = workdir / "restart"
+    shutil.copytree(run_dir, restart_dir)
+    config = _input(workdir, 80, weight_decay=0.002)
+    (restart_dir / "input.json").write_text(json.dumps(config))
+    log = _dp(["--pt", "train", "input.json", "--restart", "model.ckpt-60.pt"], restart_dir)
+    assert LOG_LINE in log
+    assert "restart: optimizer weight_decay = 0.002 from the input file (checkpoint had 0.001)" in log
+    curve = _lcurve(restart_dir / "lcurve.out")
+    assert curve[-1, 0] == 80
+    ckpt = torch.load(restart_dir / "model.ckpt-80.pt", map_location="cpu", weights_only=False)
+    assert ckpt["optimizer"]["param_groups"][0]["weight_decay"] == 0.002
+
+
+def test_legacy_input_style_trains_with_our_optimizer(workdir):
+    _, log = _run(workdir, "legacy", _input(workdir, 10, legacy=True))
+    assert LOG_LINE in log
+
+
+def test_disable_switch_trains_with_the_builtin(workdir):
+    run_dir = workdir / "builtin"
+    run_dir.mkdir()
+    (run_dir / "input.json").write_text(json.dumps(_input(workdir, 10, enable_gram=False)))
+    log = _dp(["--pt", "train", "input.json"], run_dir, env={"DEEPMD_HYBRIDMUON_DISABLE": "1"})
+    assert LOG_LINE not in log
+    ckpt = torch.load(run_dir / "model.ckpt-10.pt", map_location="cpu", weights_only=False)
+    assert "hybridmuon" not in ckpt["optimizer"]

@@ -1,0 +1,86 @@
+"""A step whose gradients hold NaN or inf is skipped: parameters and state keep their values.
+
+deepmd-kit's built-in writes NaN into the parameters (asserted below as the contrast).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from deepmd_hybridmuon import HybridMuonOptimizer
+
+SHAPES = {"fit.matrix": (12, 8), "fit.sq": (6, 6), "fit.bias": (8,), "desc.adamw_g": (4, 4), "t.w": (2, 3, 5)}
+
+
+def _setup(batched: bool):
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.nn.Parameter(torch.randn(s, generator=gen)) for k, s in SHAPES.items()}
+    opt = HybridMuonOptimizer(list(params.values()), lr=1e-2, named_parameters=params.items(), batched=batched)
+    return params, opt, gen
+
+
+def _grads(params, gen):
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def _tensors(opt):
+    return {
+        (i, k): v.clone()
+        for i, p in enumerate(opt.param_groups[0]["params"])
+        for k, v in opt.state[p].items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_gradient_skips_the_step(batched, bad):
+    params, opt, gen = _setup(batched)
+    for _ in range(3):  # state exists, the engine (if any) is warm
+        _grads(params, gen)
+        opt.step()
+    before = {k: p.detach().clone() for k, p in params.items()}
+    state_before = _tensors(opt)
+    _grads(params, gen)
+    params["fit.matrix"].grad[3, 2] = bad  # one bad element in one parameter
+    opt.step()
+    for k, p in params.items():
+        assert torch.equal(p.detach(), before[k]), k
+    after = _tensors(opt)
+    assert after.keys() == state_before.keys()
+    for key, value in after.items():
+        assert torch.equal(value, state_before[key]), key
+    # the next finite step moves everything again
+    _grads(params, gen)
+    opt.step()
+    assert all(not torch.equal(p.detach(), before[k]) for k, p in params.items())
+    assert all(torch.isfinite(p).all() for p in params.values())
+
+
+def test_builtin_writes_nan_into_parameters():
+    from deepmd.pt.optimizer.hybrid_muon import HybridMuonOptimizer as Builtin
+
+    p = torch.nn.Parameter(torch.randn(6, 6))
+    opt = Builtin([p], enable_gram=False)
+    p.grad = torch.full_like(p, float("nan"))
+    opt.step()
+    assert torch.isnan(p).any()
+
+
+def test_engine_and_loop_agree_across_a_skipped_step():
+    results = []
+    for batched in (True, False):
+        params, opt, gen = _setup(batched)
+        for i in range(5):
+            _grads(params, gen)
+            if i == 2:
+                params["fit.bias"].grad[0] = float("nan")
+            opt.step()
+        results.append(copy.deepcopy({k: p.detach() for k, p in params.items()}))
+    for k in SHAPES:
+        # same tolerance as tests/test_flat_engine.py (bf16 rounding of the scale product)
+        torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-2, atol=1e-4, msg=k)

@@ -1,0 +1,202 @@
+"""Every user input is checked, with a ValueError that names the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepmd_hybridmuon import HybridMuonOptimizer
+
+ALLOWED_KEYS = (
+    "['lr', 'momentum', 'weight_decay', 'adam_betas', 'lr_adjust', 'lr_adjust_coeff', "
+    "'muon_mode', 'enable_gram', 'magma_muon']"
+)
+MODES = "expected one of '2d', 'flat', 'slice'"
+UNIT = "expected a value in [0, 1)"
+NONNEG = "expected a value in [0, inf)"
+FINITE = "expected a finite number"
+REAL = "expected a real number"
+BOOL = "expected true or false"
+
+#: (keyword arguments, exact message). Every message names the key, shows the value
+#: as repr() and says what is allowed.
+BAD_ARGUMENTS = [
+    ({"muon_mode": "3d"}, f"Invalid muon_mode: '3d'; {MODES}"),
+    ({"muon_mode": "Slice "}, f"Invalid muon_mode: 'Slice '; {MODES}"),
+    ({"muon_mode": ""}, f"Invalid muon_mode: ''; {MODES}"),
+    ({"muon_mode": None}, f"Invalid muon_mode: None; {MODES}"),
+    ({"muon_mode": 2}, f"Invalid muon_mode: 2; {MODES}"),
+    ({"lr": -1e-3}, f"Invalid lr: -0.001; {NONNEG}"),
+    ({"lr": math.nan}, f"Invalid lr: nan; {FINITE}"),
+    ({"lr": math.inf}, f"Invalid lr: inf; {FINITE}"),
+    ({"lr": -math.inf}, f"Invalid lr: -inf; {FINITE}"),
+    ({"lr": "1e-3"}, f"Invalid lr: '1e-3'; {REAL}"),
+    ({"lr": True}, f"Invalid lr: True; {REAL}"),
+    ({"lr": None}, f"Invalid lr: None; {REAL}"),
+    ({"momentum": -0.1}, f"Invalid momentum: -0.1; {UNIT}"),
+    ({"momentum": 1.0}, f"Invalid momentum: 1.0; {UNIT}"),
+    ({"momentum": 1.5}, f"Invalid momentum: 1.5; {UNIT}"),
+    ({"momentum": math.nan}, f"Invalid momentum: nan; {FINITE}"),
+    ({"adam_betas": (-0.1, 0.95)}, f"Invalid adam_betas[0]: -0.1; {UNIT}"),
+    ({"adam_betas": (0.9, -0.5)}, f"Invalid adam_betas[1]: -0.5; {UNIT}"),
+    ({"adam_betas": (1.0, 0.95)}, f"Invalid adam_betas[0]: 1.0; {UNIT}"),
+    ({"adam_betas": (0.9, 1.0)}, f"Invalid adam_betas[1]: 1.0; {UNIT}"),
+    ({"adam_betas": (0.9, 1.01)}, f"Invalid adam_betas[1]: 1.01; {UNIT}"),
+    ({"adam_betas": (0.9, math.nan)}, f"Invalid adam_betas[1]: nan; {FINITE}"),
+    ({"adam_betas": (0.9,)}, "Invalid adam_betas: (0.9,); expected a pair (beta1, beta2)"),
+    ({"adam_betas": (0.9, 0.95, 0.99)}, "Invalid adam_betas: (0.9, 0.95, 0.99); expected a pair (beta1, beta2)"),
+    ({"adam_betas": 0.9}, "Invalid adam_betas: 0.9; expected a pair (beta1, beta2)"),
+    ({"adam_betas": "ab"}, "Invalid adam_betas: 'ab'; expected a pair (beta1, beta2)"),
+    ({"adam_betas": ("0.9", 0.95)}, f"Invalid adam_betas[0]: '0.9'; {REAL}"),
+    ({"weight_decay": -1e-3}, f"Invalid weight_decay: -0.001; {NONNEG}"),
+    ({"weight_decay": math.inf}, f"Invalid weight_decay: inf; {FINITE}"),
+    ({"lr_adjust": math.nan}, f"Invalid lr_adjust: nan; {FINITE}"),
+    ({"lr_adjust_coeff": -0.18}, f"Invalid lr_adjust_coeff: -0.18; {NONNEG}"),
+    ({"enable_gram": "yes"}, f"Invalid enable_gram: 'yes'; {BOOL}"),
+    ({"enable_gram": 1}, f"Invalid enable_gram: 1; {BOOL}"),
+    ({"enable_gram": None}, f"Invalid enable_gram: None; {BOOL}"),
+    ({"magma_muon": 0}, f"Invalid magma_muon: 0; {BOOL}"),
+    ({"magma_muon": "false"}, f"Invalid magma_muon: 'false'; {BOOL}"),
+    ({"flash_muon": "true"}, f"Invalid flash_muon: 'true'; {BOOL}"),
+    ({"flash_muon": 1}, f"Invalid flash_muon: 1; {BOOL}"),
+    ({"flash_muon": None}, f"Invalid flash_muon: None; {BOOL}"),
+]
+
+
+def _ids(cases) -> list[str]:
+    return [",".join(f"{k}={v!r}" for k, v in kwargs.items()) for kwargs, _ in cases]
+
+
+def _param() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.ones(4, 3))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_ARGUMENTS, ids=_ids(BAD_ARGUMENTS))
+def test_bad_constructor_argument(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        HybridMuonOptimizer([_param()], **kwargs)
+
+
+#: The group-level hyperparameters (flash_muon is an optimizer-level flag).
+BAD_GROUP_VALUES = [(kw, msg) for kw, msg in BAD_ARGUMENTS if "flash_muon" not in kw]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_GROUP_VALUES, ids=_ids(BAD_GROUP_VALUES))
+def test_bad_param_group_value(kwargs: dict, message: str) -> None:
+    # In a param_group dict given to the constructor ...
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        HybridMuonOptimizer([{"params": [_param()], **kwargs}])
+    # ... and through add_param_group, which leaves the optimizer as it was.
+    opt = HybridMuonOptimizer([_param()])
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        opt.add_param_group({"params": [_param()], **kwargs})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "unknown"),
+    [
+        ({"betas": (0.9, 0.99)}, "['betas']"),  # torch.optim.Adam's name for adam_betas
+        ({"nesterov": True}, "['nesterov']"),
+        ({"Lr": 1e-3}, "['Lr']"),
+        ({"zeta": 1, "alpha": 2}, "['alpha', 'zeta']"),  # all of them, sorted
+        ({"flash_muon": True}, "['flash_muon']"),  # optimizer-level, not a group key
+        ({"differentiable": False}, "['differentiable']"),
+    ],
+)
+def test_unknown_param_group_keys(extra: dict, unknown: str) -> None:
+    message = f"Unknown param_group keys: {unknown}; expected a subset of {ALLOWED_KEYS}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        HybridMuonOptimizer([{"params": [_param()], **extra}])
+    opt = HybridMuonOptimizer([_param()])
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        opt.add_param_group({"params": [_param()], **extra})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batched": 1}, f"Invalid batched: 1; {BOOL}"),
+        ({"use_foreach": "yes"}, "Invalid use_foreach: 'yes'; expected true, false or None"),
+    ],
+)
+def test_bad_optimizer_flag(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        HybridMuonOptimizer([_param()], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "check"),
+    [
+        ({"lr": 0.0}, ("lr", 0.0)),
+        ({"lr": 1}, ("lr", 1)),  # an int is a real number
+        ({"lr": torch.tensor(1e-3)}, None),  # a scalar tensor (LR schedulers may set one)
+        ({"momentum": 0.0}, ("momentum", 0.0)),
+        ({"momentum": 0.999}, ("momentum", 0.999)),
+        ({"adam_betas": (0.0, 0.0)}, ("adam_betas", (0.0, 0.0))),
+        ({"adam_betas": [0.9, 0.999]}, ("adam_betas", (0.9, 0.999))),  # a list becomes a tuple
+        ({"weight_decay": 0.0}, ("weight_decay", 0.0)),
+        ({"lr_adjust": -5.0}, ("lr_adjust", -5.0)),  # any finite value
+        ({"lr_adjust": 10.0}, ("lr_adjust", 10.0)),
+        ({"lr_adjust_coeff": 0.0}, ("lr_adjust_coeff", 0.0)),
+        ({"muon_mode": "SLICE"}, ("muon_mode", "slice")),  # case-insensitive, stored lower-case
+        ({"muon_mode": "Flat"}, ("muon_mode", "flat")),
+        ({"muon_mode": "2D"}, ("muon_mode", "2d")),
+        ({"enable_gram": False, "magma_muon": False, "flash_muon": False}, ("enable_gram", False)),
+        ({"use_foreach": False}, None),
+    ],
+)
+def test_good_arguments_are_accepted(kwargs: dict, check) -> None:
+    p = _param()
+    opt = HybridMuonOptimizer([p], **kwargs)
+    if check is not None:
+        key, value = check
+        assert opt.param_groups[0][key] == value
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.isfinite(p).all()
+
+
+def test_scheduler_keys_are_allowed() -> None:
+    p = _param()
+    opt = HybridMuonOptimizer([{"params": [p], "name": "matrices"}], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert opt.param_groups[0]["initial_lr"] == 1e-3
+    p.grad = torch.ones_like(p)
+    opt.step()
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+
+
+def test_import_has_no_side_effects() -> None:
+    code = (
+        "import torch, torch._dynamo.config as c; before = c.cache_size_limit; "
+        "import deepmd_hybridmuon, sys; "
+        "assert c.cache_size_limit == before, (before, c.cache_size_limit); "
+        "assert not any(m.startswith('deepmd.') or m == 'deepmd' for m in sys.modules), "
+        "sorted(m for m in sys.modules if m.startswith('deepmd'))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_builtin_import_does_change_dynamo_limit() -> None:
+    # The check above can fail: deepmd-kit's own optimizer module raises the limit to 64
+    # at import (torch's default is 8).
+    code = (
+        "import torch._dynamo.config as c; before = c.cache_size_limit; "
+        "import deepmd.pt.optimizer.hybrid_muon; print(before, c.cache_size_limit)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    before, after = map(int, result.stdout.split()[-2:])
+    assert after == max(before, 64)
+    if before >= 64:
+        pytest.skip("torch's default cache_size_limit is already >= 64")
+    assert after != before
