@@ -16,9 +16,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import DEFAULT_CONFIG_DIR, build_named_params, parse_kw  # noqa: E402
+from step_time import DEFAULT_CONFIG_DIR, build_named_params, parse_kw
 
-from deepmd_hybridmuon import HybridMuonOptimizer  # noqa: E402
+from deepmd_hybridmuon import HybridMuonOptimizer
 
 
 def main() -> None:
