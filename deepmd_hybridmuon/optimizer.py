@@ -274,6 +274,33 @@ class HybridMuonOptimizer(Optimizer):
                 )
         return rows
 
+    def state_routing_mismatches(self) -> list[str]:
+        """Parameters whose saved state does not fit their current route, one line each.
+
+        A Muon-routed parameter must not carry Adam moments and vice versa, and a Magma
+        score must have one entry per matrix of the current view. Such state comes from a
+        checkpoint written with other routing settings (e.g. another ``muon_mode``).
+        """
+        problems = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                route = self.route_of(p, group)
+                name = self.param_name(p) or f"<unnamed {tuple(p.shape)}>"
+                if route.route == "muon" and "exp_avg" in state:
+                    problems.append(f"{name}: Adam state, but routed to Muon")
+                elif route.route != "muon" and "momentum_buffer" in state:
+                    problems.append(f"{name}: Muon state, but routed to {route.route}")
+                elif (
+                    route.view is not None and "magma_score" in state and state["magma_score"].numel() != route.view[0]
+                ):
+                    problems.append(
+                        f"{name}: Magma score for {state['magma_score'].numel()} matrices, view has {route.view[0]}"
+                    )
+        return problems
+
     # -------------------------------------------------------------- checkpoint
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -258,6 +258,14 @@ def patch_trainer(module: Any) -> None:
         before = [{k: g[k] for k in GROUP_KEYS if k != "lr"} for g in local.param_groups]
         load(self, *args, **kwargs)
         _input_wins(local, before)
+        problems = local.state_routing_mismatches()
+        if problems:
+            raise RuntimeError(
+                "the checkpoint's optimizer state does not match the routing of the input file's optimizer "
+                f"settings ({len(problems)} parameters):\n  " + "\n  ".join(problems[:20]) + "\nUse the "
+                "checkpoint's muon_mode, or start the optimizer afresh with `dp --pt train --init-model` "
+                "(weights only) instead of --restart."
+            )
         return None
 
     trainer.__init__ = __init__
