@@ -77,7 +77,7 @@ class GroupEngine:
     """Flat buffers and index maps of one param_group; built by the optimizer."""
 
     def __init__(self, optimizer: Any, group: dict[str, Any]) -> None:
-        self.params = [p for p in group["params"] if p.numel() > 0]
+        self.params = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
         self.signature = self.signature_of(optimizer, group)
         dev, dtype = self.params[0].device, self.params[0].dtype
         self.device, self.dtype = dev, dtype
@@ -99,7 +99,7 @@ class GroupEngine:
     def signature_of(optimizer: Any, group: dict[str, Any]) -> tuple[Any, ...]:
         """What the engine depends on; a change forces a rebuild."""
         return (
-            tuple(id(p) for p in group["params"]),
+            tuple(id(p) if p.grad is not None else 0 for p in group["params"]),
             optimizer._names_version,
             optimizer._state_version,
             group["muon_mode"],
@@ -116,7 +116,7 @@ class GroupEngine:
     @staticmethod
     def supports(group: dict[str, Any]) -> bool:
         """Whether the flat engine can run this group (one dtype and device, floating point)."""
-        params = [p for p in group["params"] if p.numel() > 0]
+        params = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
         if not params:
             return False
         first = params[0]
