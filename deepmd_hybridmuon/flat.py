@@ -252,7 +252,7 @@ class GroupEngine:
         if self.muon:
             torch.cat([p.grad.reshape(-1) for p, _ in self.muon], out=self.muon_grad)
         values = [1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2, adam_lr]
-        host = torch.tensor(values, dtype=torch.float64)
+        host = torch.tensor(values, dtype=torch.float64, device="cpu")  # deepmd sets a CUDA default device
         if self.device.type == "cuda":
             host = host.pin_memory()  # the caching host allocator keeps it alive until copied
         self.scalars.copy_(host, non_blocking=True)
