@@ -33,6 +33,8 @@ GROUP_KEYS: tuple[str, ...] = (
 )
 #: Keys other code may add to a param_group: torch's schedulers and named groups.
 _FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
+#: Constructor keywords that are settings of the optimizer, not of a param_group.
+_OPTIMIZER_KEYS: frozenset[str] = frozenset({"flash_muon", "use_foreach", "batched", "cuda_graph", "named_parameters"})
 #: State tensors kept in float32 whatever the parameter dtype (torch's load_state_dict
 #: casts them to the parameter dtype; we cast them back).
 _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
@@ -40,6 +42,67 @@ _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
 
 def _is_real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# ----------------------------------------------------------------------------- DTensor
+#
+# Under FSDP2 (``fully_shard``) every parameter, gradient and parameter-shaped state
+# tensor is a DTensor, usually sharded on dim 0 with torch.chunk semantics (uneven, some
+# shards possibly empty). The loop below works on the local shards for elementwise rules
+# and gathers each Muon matrix whole for Newton–Schulz and Magma, so a sharded run does
+# the same arithmetic on the same matrices as one process.
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (sharing its storage under ``no_grad``), else ``t``."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _shard_like(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """The local shard (a plain tensor) of ``full``, laid out like the DTensor ``like``.
+
+    Every rank holds the same ``full``: the shard is sliced locally, without communication.
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def _gather_like(local: torch.Tensor, like: Any) -> torch.Tensor:
+    """The full tensor whose shard on this rank is ``local``, sharded like the DTensor ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+    return sharded.full_tensor()
+
+
+def _gate_across_ranks(ok: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    """The finite gate of every rank holding a shard of ``grads``: the minimum over their meshes.
+
+    Each rank sees only its shards, so a NaN on one rank must stop the step on all of them.
+    """
+    import torch.distributed as dist
+
+    meshes: dict[int, Any] = {}
+    for g in grads:
+        if _is_dtensor(g):
+            meshes.setdefault(id(g.device_mesh), g.device_mesh)
+    for mesh in meshes.values():  # same order on every rank: the order of the parameters
+        flag = ok if ok.device.type == mesh.device_type else ok.to(mesh.device_type)
+        for dim in range(mesh.ndim):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+        ok = flag.to(ok.device)
+    return ok
 
 
 def _check_number(key: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
@@ -232,7 +295,13 @@ class HybridMuonOptimizer(Optimizer):
     # ------------------------------------------------------------------ setup
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param_group after validating its keys and values (also after steps)."""
+        """Add a param_group after validating its keys and values (also after steps).
+
+        Keys of the constructor that are no group hyperparameters (``flash_muon``,
+        ``use_foreach``, ``batched``, ``cuda_graph``) are dropped: ``ZeroRedundancyOptimizer``
+        copies every constructor keyword into the groups it hands to its local optimizer.
+        """
+        param_group = {k: v for k, v in param_group.items() if k not in _OPTIMIZER_KEYS}
         super().add_param_group(param_group)
         try:
             _validate_group(self.param_groups[-1])
@@ -359,10 +428,12 @@ class HybridMuonOptimizer(Optimizer):
     def _engine(self, index: int, group: dict[str, Any]) -> GroupEngine | None:
         """The flat engine of a group, (re)built when needed; ``None`` for the loop.
 
-        The loop runs when ``batched=False``, for a group the engine does not support
-        (mixed dtypes or devices), and for a step in which some parameter has no gradient.
+        The loop runs when ``batched=False`` and for a group the engine does not support
+        (mixed dtypes or devices). Parameters without a gradient are left out of the engine,
+        which is rebuilt when that set changes (models with unused parameters have the same
+        set every step).
         """
-        if not self.batched or any(p.grad is None for p in group["params"] if p.numel() > 0):
+        if not self.batched:
             return None
         engine = self._engines.get(index)
         if engine is not None and engine.signature == GroupEngine.signature_of(self, group):
@@ -382,34 +453,69 @@ class HybridMuonOptimizer(Optimizer):
         active = [p for p in group["params"] if p.grad is not None and p.numel() > 0]
         if not active:
             return
-        ok = F.finite_gate([p.grad for p in active])
-        for p in active:
+        grads = [self._grad_of(p) for p in active]
+        ok = F.finite_gate([_local(g) for g in grads])
+        if any(_is_dtensor(g) for g in grads):
+            ok = _gate_across_ranks(ok, grads)
+        for p, grad in zip(active, grads, strict=True):
             route = self.route_of(p, group)
             if route.route == "muon":
                 assert route.view is not None  # route_parameter gives a view for every Muon route
-                muon.append((p, p.grad, route.view))
+                muon.append((p, grad, route.view))
                 continue
             decay = (1.0 - adam_lr * wd) if (route.route == "adamw" and wd > 0) else None
-            self._adam(p, beta1, beta2, adam_lr, decay, ok)
+            self._adam(p, grad, beta1, beta2, adam_lr, decay, ok)
         if muon:
             self._muon(group, muon, ok)
 
+    @staticmethod
+    def _grad_of(p: torch.Tensor) -> torch.Tensor:
+        """``p.grad``; a DTensor gradient laid out like its DTensor parameter (FSDP2's already is)."""
+        grad = p.grad
+        assert grad is not None
+        if _is_dtensor(p) and _is_dtensor(grad):
+            if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
+                grad = grad.redistribute(p.device_mesh, p.placements)
+        return grad
+
+    def _local_state(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """The local shard of the parameter-shaped state ``key`` of ``p`` (the tensor itself if not sharded).
+
+        A full tensor under a DTensor parameter (a single-process checkpoint loaded with
+        ``load_state_dict`` under FSDP2) is sharded like the parameter first.
+        """
+        state = self.state[p]
+        value = state[key]
+        if _is_dtensor(p) and not _is_dtensor(value) and value.shape == p.shape:
+            from torch.distributed.tensor import distribute_tensor
+
+            value = state[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+        return _local(value)
+
     def _adam(
-        self, p: torch.Tensor, beta1: float, beta2: float, lr: float, decay: float | None, ok: torch.Tensor
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        beta1: float,
+        beta2: float,
+        lr: float,
+        decay: float | None,
+        ok: torch.Tensor,
     ) -> None:
         state = self.state[p]
         if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)  # a DTensor for a DTensor p
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["beta1_pow"] = 1.0
             state["beta2_pow"] = 1.0
         state["beta1_pow"] *= beta1
         state["beta2_pow"] *= beta2
+        # Elementwise: the local shards of a DTensor parameter are updated in place.
         F.adam_update_(
-            p,
-            p.grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
+            _local(p),
+            _local(grad),
+            self._local_state(p, "exp_avg"),
+            self._local_state(p, "exp_avg_sq"),
             beta1=beta1,
             beta2=beta2,
             beta1_pow=state["beta1_pow"],
@@ -425,39 +531,54 @@ class HybridMuonOptimizer(Optimizer):
         entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]],
         ok: torch.Tensor,
     ) -> None:
+        """Muon, one parameter at a time (parameters are independent; one full matrix alive at a time).
+
+        Momentum and weight decay are elementwise (local shards of a DTensor). Newton–Schulz
+        and Magma see whole matrices: for a DTensor parameter the Nesterov update (and, for
+        Magma, momentum and gradient) are gathered, the unchanged functional code runs on the
+        full tensors on every rank, and each rank keeps its shard of the result.
+        """
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
         momentum = float(group["momentum"])
         lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
         magma, use_gram = group["magma_muon"], group["enable_gram"]
 
-        # Momentum, decay and Magma, per parameter: cheap elementwise work.
-        updates: list[torch.Tensor] = []
-        scales: list[torch.Tensor | None] = []
         for p, grad, (bs, rows, cols) in entries:
             state = self.state[p]
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = torch.zeros_like(grad)
-            grad = F.sanitize(grad.to(buf.dtype), ok)
+            sharded = _is_dtensor(p)
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad)  # a DTensor for a DTensor p
+            buf = self._local_state(p, "momentum_buffer")
+            g = F.sanitize(_local(grad).to(buf.dtype), ok)
             if wd > 0:
-                p.mul_(F.gate_factor(1.0 - lr * wd, ok, p.dtype))
-            update = F.nesterov_momentum_(buf, grad, momentum, ok)
-            updates.append(update.reshape(bs, rows, cols))
+                _local(p).mul_(F.gate_factor(1.0 - lr * wd, ok, p.dtype))
+            update = F.nesterov_momentum_(buf, g, momentum, ok)
+            if sharded and magma:
+                # Whole blocks for the cosine; the update from the gathered tensors is the
+                # elementwise formula of nesterov_momentum_ on the full matrix.
+                buf = state["momentum_buffer"].full_tensor()
+                g = F.sanitize(grad.full_tensor().to(buf.dtype), ok)
+                update = torch.lerp(g, buf, momentum)
+            elif sharded:
+                update = _gather_like(update, p)
+
+            damp = None
             if magma:
                 score = state.get("magma_score")
+                if _is_dtensor(score):
+                    score = state["magma_score"] = score.full_tensor()
                 if score is None or score.shape != (bs,) or score.device != p.device:
                     score = torch.full((bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=p.device)
                     state["magma_score"] = score
-                raw = F.magma_raw_score(buf.reshape(bs, -1), grad.reshape(bs, -1))
-                scales.append(F.magma_scale_(score, raw, ok))
-            else:
-                scales.append(None)
+                raw = F.magma_raw_score(buf.reshape(bs, -1), g.reshape(bs, -1))
+                damp = F.magma_scale_(score, raw, ok)
 
-        orths = [F.orthogonalize(u, use_gram) for u in updates]
-
-        for (p, _, (bs, rows, cols)), orth, damp in zip(entries, orths, scales, strict=True):
+            orth = F.orthogonalize(update.reshape(bs, rows, cols), use_gram)
             delta = orth * F.muon_scale(rows, cols, lr_adjust, coeff)
             if damp is not None:
                 delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
-            p.addcmul_(delta.reshape(p.shape), ok.to(p.dtype) * -lr)
+            delta = delta.reshape(p.shape)
+            if sharded:
+                delta = _shard_like(delta, p)
+            _local(p).addcmul_(delta, ok.to(p.dtype) * -lr)

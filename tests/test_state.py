@@ -320,7 +320,7 @@ def test_size0_frozen_and_gradless_parameters_are_skipped(batched: bool, freeze:
 
 def test_engine_and_loop_agree_with_awkward_parameters() -> None:
     # The default engine leaves out parameters that lack a gradient in a step and uses
-    # gradient and to per-tensor Adam for parameters at different step counts; the
+    # per-tensor Adam for parameters at different step counts; the
     # trajectory must still match the loop within the engine-vs-loop tolerance of
     # test_parity_builtin.
     named_e, _, late, opt_e = _awkward_setup(batched=True, freeze=False)

@@ -105,7 +105,6 @@ def test_bad_param_group_value(kwargs: dict, message: str) -> None:
         ({"nesterov": True}, "['nesterov']"),
         ({"Lr": 1e-3}, "['Lr']"),
         ({"zeta": 1, "alpha": 2}, "['alpha', 'zeta']"),  # all of them, sorted
-        ({"flash_muon": True}, "['flash_muon']"),  # optimizer-level, not a group key
         ({"differentiable": False}, "['differentiable']"),
     ],
 )
@@ -117,6 +116,15 @@ def test_unknown_param_group_keys(extra: dict, unknown: str) -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         opt.add_param_group({"params": [_param()], **extra})
     assert len(opt.param_groups) == 1
+
+
+def test_optimizer_level_keys_in_a_group_are_dropped() -> None:
+    # ZeroRedundancyOptimizer copies every constructor keyword (deepmd's trainer passes
+    # flash_muon and use_foreach) into the groups it hands to the local optimizer.
+    opt = HybridMuonOptimizer([{"params": [_param()], "flash_muon": True, "use_foreach": None, "cuda_graph": False}])
+    from deepmd_hybridmuon.optimizer import GROUP_KEYS
+
+    assert set(opt.param_groups[0]) == {"params", *GROUP_KEYS}
 
 
 @pytest.mark.parametrize(
