@@ -115,12 +115,13 @@ def _routing_rows(models: dict[str, Any], muon_mode: str) -> list[tuple[str, tup
     return rows
 
 
-def check_input(path: str, out: TextIO = sys.stdout, *, routing: bool = True) -> dict[str, Any]:
+def check_input(path: str, out: TextIO | None = None, *, routing: bool = True) -> dict[str, Any]:
     """Validate ``path`` as deepmd would, print the optimizer settings and routing table.
 
     Returns the normalised input. Raises :class:`CheckError` with the key path, the bad value
     and what is allowed.
     """
+    out = sys.stdout if out is None else out
     jdata, messages = _normalize(_load(path))
     for message in messages:
         print(f"warning: {message}", file=sys.stderr)
