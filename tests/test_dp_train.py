@@ -138,3 +138,48 @@ def test_disable_switch_trains_with_the_builtin(workdir):
     assert LOG_LINE not in log
     ckpt = torch.load(run_dir / "model.ckpt-10.pt", map_location="cpu", weights_only=False)
     assert "hybridmuon" not in ckpt["optimizer"]
+
+
+def test_builtin_checkpoint_resumes_with_ours(workdir):
+    """A checkpoint written by deepmd-kit's built-in HybridMuon continues with ours (float64 model)."""
+    run_dir = workdir / "builtin_to_ours"
+    run_dir.mkdir()
+    (run_dir / "input.json").write_text(json.dumps(_input(workdir, 10, enable_gram=False)))
+    _dp(["--pt", "train", "input.json"], run_dir, env={"DEEPMD_HYBRIDMUON_DISABLE": "1"})
+    (run_dir / "input.json").write_text(json.dumps(_input(workdir, 20, enable_gram=False)))
+    log = _dp(["--pt", "train", "input.json", "--restart", "model.ckpt-10.pt"], run_dir)
+    assert LOG_LINE in log
+    assert _lcurve(run_dir / "lcurve.out")[-1, 0] == 20
+    ckpt = torch.load(run_dir / "model.ckpt-20.pt", map_location="cpu", weights_only=False)
+    assert ckpt["optimizer"]["hybridmuon"]["version"]
+
+
+def test_our_checkpoint_resumes_with_the_builtin(workdir):
+    """And back: ours writes, the built-in continues (float32 model: the built-in cannot resume float64)."""
+    run_dir = workdir / "ours_to_builtin"
+    run_dir.mkdir()
+    config = _input(workdir, 10, enable_gram=False)
+    for part in ("descriptor", "fitting_net"):
+        config["model"][part]["precision"] = "float32"
+    (run_dir / "input.json").write_text(json.dumps(config))
+    assert LOG_LINE in _dp(["--pt", "train", "input.json"], run_dir)
+    config["training"]["numb_steps"] = 20
+    (run_dir / "input.json").write_text(json.dumps(config))
+    log = _dp(
+        ["--pt", "train", "input.json", "--restart", "model.ckpt-10.pt"],
+        run_dir,
+        env={"DEEPMD_HYBRIDMUON_DISABLE": "1"},
+    )
+    assert LOG_LINE not in log
+    assert _lcurve(run_dir / "lcurve.out")[-1, 0] == 20
+
+
+def test_pt_expt_backend_trains_and_restarts_with_our_optimizer(workdir):
+    run_dir = workdir / "pt_expt"
+    run_dir.mkdir()
+    (run_dir / "input.json").write_text(json.dumps(_input(workdir, 10)))
+    assert LOG_LINE in _dp(["--pt-expt", "train", "input.json"], run_dir)
+    (run_dir / "input.json").write_text(json.dumps(_input(workdir, 20)))
+    log = _dp(["--pt-expt", "train", "input.json", "--restart", "model.ckpt-10.pt"], run_dir)
+    assert LOG_LINE in log
+    assert _lcurve(run_dir / "lcurve.out")[-1, 0] == 20
