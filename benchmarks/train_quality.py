@@ -71,6 +71,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_speed import _absolute_systems, resolve_config  # shared with the speed benchmark
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "configs"
 DEFAULT_CONFIGS = ("se_e2_a_water", "dpa3_water")
@@ -95,26 +98,6 @@ TEST_RE = {
 
 
 # ============================================================================ run: inputs
-
-
-def resolve_config(spec: str, config_dir: Path) -> Path:
-    """A path, or the name of a config in ``config_dir`` (with or without ``.json``)."""
-    path = Path(spec)
-    if path.suffix == ".json" and path.is_file():
-        return path.resolve()
-    for candidate in (config_dir / spec, config_dir / f"{spec}.json"):
-        if candidate.is_file():
-            return candidate.resolve()
-    raise SystemExit(f"config {spec!r} not found (as a path or in {config_dir})")
-
-
-def _absolute_systems(systems: Any, base: Path) -> Any:
-    if isinstance(systems, str):
-        p = Path(systems)
-        return str(p if p.is_absolute() else (base / p).resolve())
-    if isinstance(systems, list):
-        return [_absolute_systems(s, base) for s in systems]
-    return systems
 
 
 def optimizer_section(name: str, config: dict[str, Any], hm_kw: dict[str, Any]) -> dict[str, Any]:
