@@ -227,7 +227,8 @@ class HybridMuonOptimizer(Optimizer):
     enable_gram
         Gram Newton–Schulz for rectangular matrices.
     flash_muon
-        Allow a Triton kernel on CUDA for the standard path; no effect elsewhere.
+        Accepted for compatibility (deepmd-kit's Triton switch); this release has no Triton
+        kernel and the flag changes nothing.
     magma_muon
         Magma-lite damping of Muon updates.
     use_foreach

@@ -146,7 +146,10 @@ def hybrid_muon_arguments() -> list[Argument]:
             bool,
             optional=True,
             default=True,
-            doc="Allow a Triton kernel for the standard Newton-Schulz path on CUDA; no effect on CPU.",
+            doc="Accepted for compatibility with deepmd-kit 3.2.0, where it selects a Triton kernel (with "
+            "enable_gram off, for a matrix whose smaller side is 1024 or more). This release has no Triton "
+            "kernel: the flat engine (batched, "
+            "CUDA-graphed) runs every matrix; the flag changes nothing.",
         ),
         Argument(
             "magma_muon",
