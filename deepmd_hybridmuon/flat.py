@@ -27,7 +27,7 @@ import torch
 
 from . import functional as F
 
-__all__ = ["GroupEngine", "bucket_key"]
+__all__ = ["GroupEngine", "bucket_key", "is_dtensor"]
 
 
 def bucket_key(min_dim: int, device: torch.device) -> int:
@@ -61,7 +61,8 @@ class _Bucket:
 GRAPH_WARMUP = 2
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2-sharded tensor)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
@@ -120,7 +121,7 @@ class GroupEngine:
         if not params:
             return False
         first = params[0]
-        if any(_is_dtensor(p) for p in params):
+        if any(is_dtensor(p) for p in params):
             return False  # FSDP2 shards: the loop handles them
         return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
 

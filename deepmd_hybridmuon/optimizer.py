@@ -16,6 +16,7 @@ from torch.optim.optimizer import Optimizer
 
 from . import functional as F
 from .flat import GroupEngine
+from .flat import is_dtensor as _is_dtensor
 
 __all__ = ["HybridMuonOptimizer"]
 
@@ -51,14 +52,6 @@ def _is_real(x: Any) -> bool:
 # shards possibly empty). The loop below works on the local shards for elementwise rules
 # and gathers each Muon matrix whole for Newton–Schulz and Magma, so a sharded run does
 # the same arithmetic on the same matrices as one process.
-
-
-def _is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(t, DTensor)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
