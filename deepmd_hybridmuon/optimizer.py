@@ -229,7 +229,7 @@ class HybridMuonOptimizer(Optimizer):
         batches its work by matrix shape.
     batched
         Keyword-only. ``True`` (default): the flat engine (:mod:`deepmd_hybridmuon.flat`),
-        a few dozen kernels per step whatever the number of parameters. ``False``: the
+        a fixed set of batched kernels per step whatever the number of parameters. ``False``: the
         plain per-parameter loop, the specification the engine is tested against.
     cuda_graph
         Keyword-only. On CUDA, capture the flat engine's arithmetic in a CUDA graph after two

@@ -181,3 +181,26 @@ def test_readme_option_table_is_generated_from_the_schema():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     table = readme.split("<!-- options:start -->\n", 1)[1].split("\n<!-- options:end -->", 1)[0]
     assert table == options_markdown()
+
+
+def test_restart_with_a_routing_that_no_longer_fits_the_state_is_refused():
+    """The input's muon_mode wins over the checkpoint's; state built for another routing is caught."""
+    import torch
+
+    named = [
+        ("blk.w3", torch.nn.Parameter(torch.randn(3, 4, 5))),
+        ("fit.matrix", torch.nn.Parameter(torch.randn(6, 4))),
+    ]
+    params = [p for _, p in named]
+    old = HybridMuonOptimizer(params, muon_mode="slice", named_parameters=named)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    old.step()
+    new = HybridMuonOptimizer(params, muon_mode="2d", named_parameters=named)
+    wanted = [{k: g[k] for k in ("muon_mode",)} for g in new.param_groups]
+    new.load_state_dict(old.state_dict())
+    assert new.param_groups[0]["muon_mode"] == "slice"  # torch restores the checkpoint's groups
+    plugin._input_wins(new, wanted)
+    assert new.param_groups[0]["muon_mode"] == "2d"
+    problems = new.state_routing_mismatches()
+    assert problems == ["blk.w3: Muon state, but routed to adamw"]
