@@ -194,7 +194,14 @@ class HybridMuonOptimizer(Optimizer):
     back to float32 after ``load_state_dict``); ``add_param_group`` works after the
     first step; every hyperparameter is validated here with a ``ValueError``; size-0,
     frozen and grad-less parameters are skipped; no ``torch.compile`` (no seconds of
-    compilation at the first step) and no import-time side effects.
+    compilation at the first step) and no import-time side effects; a step whose
+    gradients hold NaN or inf is skipped (parameters and state unchanged, decided on the
+    device; see :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor)
+    parameters work, each Muon matrix being gathered and orthogonalised whole.
+
+    Implementations: the per-parameter loop in this class is the specification; the flat
+    engine (:mod:`deepmd_hybridmuon.flat`, default) computes the same step in batched
+    kernels and is tested against it.
 
     Parameters
     ----------
