@@ -92,7 +92,7 @@ class GroupEngine:
         self.betas = tuple(float(b) for b in group["adam_betas"])
         self.beta = float(group["momentum"])
         self.weight_decay = float(group["weight_decay"]) > 0
-        self.scalars = torch.zeros(6, dtype=torch.float64, device=dev)
+        self.scalars = torch.zeros(5, dtype=torch.float64, device=dev)
         self._build_adam(optimizer.state)
         self._build_muon(optimizer.state, group)
         self.use_graph = dev.type == "cuda" and optimizer.cuda_graph
@@ -219,14 +219,18 @@ class GroupEngine:
     # ``_compute`` is captured once in a CUDA graph after :data:`GRAPH_WARMUP` eager
     # steps and replayed afterwards; everywhere else it runs eagerly.
 
-    def step(self, optimizer: Any, group: dict[str, Any]) -> None:
-        """One step of the whole group; every parameter must have a gradient."""
-        uniform = self._stage(optimizer.state, group)
-        if not uniform:
-            # Adam parameters at different step counts (some once had no gradient):
-            # this step runs eagerly, with per-tensor bias corrections.
-            self._compute(adam_per_tensor=optimizer.state)
-            return
+    def step(self, optimizer: Any, group: dict[str, Any]) -> bool:
+        """One step of the whole group; ``False`` (nothing done) to let the loop take it.
+
+        The engine shares one pair of Adam bias corrections; when Adam parameters are at
+        different step counts (some once had no gradient) the loop runs instead.
+        """
+        state = optimizer.state
+        if self.adam:
+            first = state[self.adam[0]]["beta1_pow"]
+            if any(state[p]["beta1_pow"] != first for p in self.adam):
+                return False
+        self._stage(state, group)
         if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP:
             self._capture()
         if self.graph is not None:
@@ -234,13 +238,13 @@ class GroupEngine:
         else:
             self._compute()
             self.eager_steps += 1
+        return True
 
-    def _stage(self, state: dict, group: dict[str, Any]) -> bool:
+    def _stage(self, state: dict, group: dict[str, Any]) -> None:
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
         lr_adjust = float(group["lr_adjust"])
         adam_lr = lr if lr_adjust <= 0 else lr / lr_adjust
-        uniform = True
         step_size = bc2 = 1.0
         if self.adam:
             beta1, beta2 = self.betas
@@ -249,18 +253,16 @@ class GroupEngine:
                 st["beta1_pow"] *= beta1
                 st["beta2_pow"] *= beta2
             s0 = state[self.adam[0]]
-            uniform = all(state[p]["beta1_pow"] == s0["beta1_pow"] for p in self.adam)
             step_size = adam_lr / (1.0 - s0["beta1_pow"])
             bc2 = 1.0 - s0["beta2_pow"]
             torch.cat([p.grad.reshape(-1) for p in self.adam], out=self.adam_grad)
         if self.muon:
             torch.cat([p.grad.reshape(-1) for p, _ in self.muon], out=self.muon_grad)
-        values = [1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2, adam_lr]
+        values = [1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2]
         host = torch.tensor(values, dtype=torch.float64, device="cpu")  # deepmd sets a CUDA default device
         if self.device.type == "cuda":
             host = host.pin_memory()  # the caching host allocator keeps it alive until copied
         self.scalars.copy_(host, non_blocking=True)
-        return uniform
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -268,18 +270,15 @@ class GroupEngine:
             self._compute()
         self.graph = graph
 
-    def _compute(self, adam_per_tensor: dict | None = None) -> None:
-        muon_decay, neg_lr, adamw_decay, neg_step, bc2, adam_lr = self.scalars.to(self.dtype).unbind(0)
+    def _compute(self) -> None:
+        muon_decay, neg_lr, adamw_decay, neg_step, bc2 = self.scalars.to(self.dtype).unbind(0)
         # 1.0, or 0.0 when a gradient is not finite: the step is then skipped (functional.py).
         flat_grads = [g for g in (self.adam_grad, self.muon_grad) if g.numel()]
         ok = F.finite_gate(flat_grads) if flat_grads else torch.ones((), device=self.device)
         if self.adam:
             if self.adamw and self.weight_decay:
                 torch._foreach_mul_(self.adamw, F.gate_factor(adamw_decay, ok, self.dtype))
-            if adam_per_tensor is None:
-                self._adam(neg_step.float() * ok, bc2.float(), ok)
-            else:
-                self._adam_per_tensor(adam_per_tensor, float(adam_lr), ok)
+            self._adam(neg_step.float() * ok, bc2.float(), ok)
         if self.muon:
             self._muon(F.gate_factor(muon_decay, ok, self.dtype), neg_lr * ok.to(self.dtype), ok)
 
@@ -292,24 +291,6 @@ class GroupEngine:
         torch.div(self.exp_avg, denom, out=denom)
         self.adam_delta.copy_(denom.mul_(neg_step))
         torch._foreach_add_(self.adam, self.adam_delta_views)
-
-    def _adam_per_tensor(self, state: dict, adam_lr: float, ok: torch.Tensor) -> None:
-        beta1, beta2 = self.betas
-        for p in self.adam:
-            st = state[p]
-            F.adam_update_(
-                p,
-                p.grad,
-                st["exp_avg"],
-                st["exp_avg_sq"],
-                beta1=beta1,
-                beta2=beta2,
-                beta1_pow=st["beta1_pow"],
-                beta2_pow=st["beta2_pow"],
-                lr=adam_lr,
-                decay_factor=None,
-                ok=ok,
-            )
 
     def _muon(self, decay: torch.Tensor, neg_lr: torch.Tensor, ok: torch.Tensor) -> None:
         params = [p for p, _ in self.muon]

@@ -420,9 +420,7 @@ class HybridMuonOptimizer(Optimizer):
                 loss = closure()
         for index, group in enumerate(self.param_groups):
             engine = self._engine(index, group)
-            if engine is not None:
-                engine.step(self, group)
-            else:
+            if engine is None or not engine.step(self, group):
                 self._step_group(group)
         return loss
 

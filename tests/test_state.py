@@ -313,14 +313,14 @@ def test_size0_frozen_and_gradless_parameters_are_skipped(batched: bool, freeze:
     other_bias = next(p for n, p in named if n.endswith(".bias") and n not in late | frozen)
     assert opt.state[late_bias]["beta1_pow"] == pytest.approx(0.9**3, rel=1e-12)
     assert opt.state[other_bias]["beta1_pow"] == pytest.approx(0.9**5, rel=1e-12)
-    # White-box: the default engine ran (parameters without a gradient are left out of it,
-    # and the late bias, at another Adam step count, took per-tensor bias corrections).
+    # White-box: the default engine ran (parameters without a gradient are left out of it;
+    # steps in which Adam parameters are at different step counts go to the loop).
     assert bool(opt._engines) == batched
 
 
 def test_engine_and_loop_agree_with_awkward_parameters() -> None:
-    # The default engine leaves out parameters that lack a gradient in a step and uses
-    # per-tensor Adam for parameters at different step counts; the
+    # The default engine leaves out parameters that lack a gradient in a step and hands
+    # steps with Adam parameters at different step counts to the loop; the
     # trajectory must still match the loop within the engine-vs-loop tolerance of
     # test_parity_builtin.
     named_e, _, late, opt_e = _awkward_setup(batched=True, freeze=False)
