@@ -287,31 +287,26 @@ def _hook_trainer_module(name: str) -> None:
 DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
 
 
-def _disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+def _enable(trainer_module: str | None) -> None:
+    """Version check and schema registration; then patch ``trainer_module`` when it is imported."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return
+    check_deepmd_version()
+    register_schema()
+    if trainer_module is not None:
+        _hook_trainer_module(trainer_module)
 
 
 def on_deepmd_backend() -> None:
     """Entry point of group ``deepmd.backend``: version check and schema registration."""
-    if _disabled():
-        return
-    check_deepmd_version()
-    register_schema()
+    _enable(None)
 
 
 def on_deepmd_pt() -> None:
-    """Entry point of group ``deepmd.pt``: patch the PyTorch trainer when it is imported."""
-    if _disabled():
-        return
-    check_deepmd_version()
-    register_schema()
-    _hook_trainer_module(TRAINER_MODULES[0])
+    """Entry point of group ``deepmd.pt``: also patch the PyTorch trainer when it is imported."""
+    _enable(TRAINER_MODULES[0])
 
 
 def on_deepmd_pt_expt() -> None:
-    """Entry point of group ``deepmd.pt_expt``: patch the pt_expt trainer when it is imported."""
-    if _disabled():
-        return
-    check_deepmd_version()
-    register_schema()
-    _hook_trainer_module(TRAINER_MODULES[1])
+    """Entry point of group ``deepmd.pt_expt``: also patch the pt_expt trainer when it is imported."""
+    _enable(TRAINER_MODULES[1])
