@@ -18,7 +18,7 @@ from . import functional as F
 from .flat import GroupEngine
 from .flat import is_dtensor as _is_dtensor
 
-__all__ = ["HybridMuonOptimizer"]
+__all__ = ["HybridMuonOptimizer", "check_number"]
 
 #: Keys of a param_group: exactly those of deepmd-kit 3.2.0, so checkpoints move both ways.
 GROUP_KEYS: tuple[str, ...] = (
@@ -98,7 +98,7 @@ def _gate_across_ranks(ok: torch.Tensor, grads: list[torch.Tensor]) -> torch.Ten
     return ok
 
 
-def _check_number(key: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
+def check_number(key: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is a finite real in [low, high] (or [low, high))."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
         number = float(value)
@@ -119,16 +119,16 @@ def _validate_group(group: dict[str, Any]) -> None:
     unknown = sorted(set(group) - set(GROUP_KEYS) - _FOREIGN_GROUP_KEYS)
     if unknown:
         raise ValueError(f"Unknown param_group keys: {unknown}; expected a subset of {list(GROUP_KEYS)}")
-    _check_number("lr", group["lr"], low=0.0)
-    _check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
-    _check_number("weight_decay", group["weight_decay"], low=0.0)
+    check_number("lr", group["lr"], low=0.0)
+    check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
+    check_number("weight_decay", group["weight_decay"], low=0.0)
     betas = group["adam_betas"]
     if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
         raise ValueError(f"Invalid adam_betas: {betas!r}; expected a pair (beta1, beta2)")
-    _check_number("adam_betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
-    _check_number("adam_betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
-    _check_number("lr_adjust", group["lr_adjust"], low=-math.inf)
-    _check_number("lr_adjust_coeff", group["lr_adjust_coeff"], low=0.0)
+    check_number("adam_betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
+    check_number("adam_betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
+    check_number("lr_adjust", group["lr_adjust"], low=-math.inf)
+    check_number("lr_adjust_coeff", group["lr_adjust_coeff"], low=0.0)
     mode = group["muon_mode"]
     if not isinstance(mode, str) or mode.lower() not in F.MUON_MODES:
         raise ValueError(f"Invalid muon_mode: {mode!r}; expected one of '2d', 'flat', 'slice'")

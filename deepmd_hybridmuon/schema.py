@@ -13,6 +13,7 @@ from typing import Any
 from dargs import Argument
 
 from .functional import MUON_MODES
+from .optimizer import check_number
 
 __all__ = [
     "HYBRID_MUON_DOC",
@@ -38,20 +39,19 @@ LEGACY_KEYS: tuple[str, ...] = ("muon_2d_only", "min_2d_dim")
 
 
 def _in_range(low: float, high: float | None = None, *, open_high: bool = False) -> Any:
+    """A dargs ``extra_check``: the optimizer's own range check (one source of truth), as a predicate."""
+
     def check(value: Any) -> bool:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        try:
+            check_number("value", value, low=low, high=high, high_open=open_high)
+        except ValueError:
             return False
-        if value < low:
-            return False
-        if high is None:
-            return True
-        return value < high if open_high else value <= high
+        return True
 
     return check
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+_finite = _in_range(-math.inf)
 
 
 def hybrid_muon_arguments() -> list[Argument]:
