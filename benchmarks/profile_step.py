@@ -16,7 +16,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import DEFAULT_CONFIG_DIR, build_named_params, parse_kw
+from step_time import DEFAULT_CONFIG_DIR, build_named_params
+from train_speed import parse_kw
 
 from deepmd_hybridmuon import HybridMuonOptimizer
 
@@ -26,7 +27,7 @@ def main() -> None:
     ap.add_argument("--configs", default="dpa3_water,se_e2_a_water,dpa2_small_water")
     ap.add_argument("--ours-kw", action="append", default=[])
     args = ap.parse_args()
-    kw = {"cuda_graph": False, **parse_kw(args.ours_kw)}
+    kw = {"cuda_graph": False, **parse_kw(args.ours_kw, "--ours-kw")}
     device = torch.device("cuda")
     for name in args.configs.split(","):
         named, _ = build_named_params(DEFAULT_CONFIG_DIR / f"{name}.json", device)

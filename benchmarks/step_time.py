@@ -29,7 +29,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime as _dt
 import gc
 import json
@@ -45,6 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_speed import parse_kw  # shared key=value parsing of the benchmarks
 
 # force_disable_caches makes dynamo warn that its profile-guided cache is off; that is the point.
 warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
@@ -345,19 +347,6 @@ def environment(device: torch.device) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ main
 
 
-def parse_kw(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"--ours-kw expects key=value, got {item!r}")
-        try:
-            out[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError) as err:
-            raise SystemExit(f"--ours-kw {item!r}: value is not a Python literal ({err})") from err
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -399,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    ours_kw = parse_kw(args.ours_kw)
+    ours_kw = parse_kw(args.ours_kw, "--ours-kw")
     if not args.compile_cache:
         torch.compiler.config.force_disable_caches = True
     env = environment(device)

@@ -230,12 +230,13 @@ def summary_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_kw(items: list[str]) -> dict[str, Any]:
+def parse_kw(items: list[str], flag: str = "--opt-kw") -> dict[str, Any]:
+    """``key=value`` options: Python/JSON literals, else the bare string (e.g. ``muon_mode=flat``)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise SystemExit(f"--opt-kw expects key=value, got {item!r}")
+            raise SystemExit(f"{flag} expects key=value, got {item!r}")
         value = value.strip()
         lowered = {"true": "True", "false": "False", "null": "None"}.get(value.lower(), value)
         try:
