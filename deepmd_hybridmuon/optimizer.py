@@ -389,7 +389,7 @@ class HybridMuonOptimizer(Optimizer):
         out = super().state_dict()
         # The flat engine keeps state as views of shared buffers: save independent tensors
         # (a saved view would carry the whole buffer). Cloning everything also makes the
-        # result a snapshot, which ZeRO-1's consolidation and the tests rely on.
+        # result a snapshot (torch's returns live references); tests/test_distributed.py relies on it.
         out["state"] = {
             k: {kk: vv.clone() if isinstance(vv, torch.Tensor) else vv for kk, vv in v.items()}
             for k, v in out["state"].items()
