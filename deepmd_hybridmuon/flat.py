@@ -81,14 +81,14 @@ class GroupEngine:
     """Flat buffers and index maps of one param_group; built by the optimizer."""
 
     def __init__(self, optimizer: Any, group: dict[str, Any]) -> None:
-        self.params = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
+        params = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
         self.signature = self.signature_of(optimizer, group)
-        dev, dtype = self.params[0].device, self.params[0].dtype
+        dev, dtype = params[0].device, params[0].dtype
         self.device, self.dtype = dev, dtype
-        routes = [optimizer.route_of(p, group) for p in self.params]
-        self.adam = [p for p, r in zip(self.params, routes, strict=True) if r.route != "muon"]
-        self.adamw = [p for p, r in zip(self.params, routes, strict=True) if r.route == "adamw"]
-        self.muon = [(p, r.view) for p, r in zip(self.params, routes, strict=True) if r.route == "muon"]
+        routes = [optimizer.route_of(p, group) for p in params]
+        self.adam = [p for p, r in zip(params, routes, strict=True) if r.route != "muon"]
+        self.adamw = [p for p, r in zip(params, routes, strict=True) if r.route == "adamw"]
+        self.muon = [(p, r.view) for p, r in zip(params, routes, strict=True) if r.route == "muon"]
         self.betas = tuple(float(b) for b in group["adam_betas"])
         self.beta = float(group["momentum"])
         self.weight_decay = float(group["weight_decay"]) > 0
@@ -170,9 +170,9 @@ class GroupEngine:
         for _, (bs, rows, cols) in self.muon:
             lengths += [rows * cols] * bs
             scales += [F.muon_scale(rows, cols, lr_adjust, coeff)] * bs
-        self.block_lengths = torch.tensor(lengths, dtype=torch.int64, **kw)
+        block_lengths = torch.tensor(lengths, dtype=torch.int64, **kw)
         self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
-        self.block_of_element = torch.repeat_interleave(torch.arange(len(lengths), **kw), self.block_lengths)
+        self.block_of_element = torch.repeat_interleave(torch.arange(len(lengths), **kw), block_lengths)
         self.magma = bool(group["magma_muon"])
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
