@@ -23,6 +23,8 @@ with gradients, names, routing options, a loaded state dict). Per DPA-3 step tha
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +32,24 @@ import torch
 
 from . import functional as F
 
-__all__ = ["GroupEngine", "bucket_key", "is_dtensor"]
+__all__ = ["GroupEngine", "bucket_key", "is_dtensor", "triton_runs_on"]
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernels of ``kernels.py`` can run on ``device``.
+
+    On CUDA when Triton is installed; on the CPU only under Triton's interpreter
+    (``TRITON_INTERPRET=1``, used by the tests to run the kernels without a GPU).
+    """
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if device.type not in ("cuda", "cpu"):
+        return False
+    try:
+        from . import kernels  # noqa: F401  (imports triton)
+    except ImportError:
+        return False
+    return True
 
 
 def bucket_key(min_dim: int, device: torch.device) -> int:
@@ -57,6 +76,19 @@ class _Bucket:
     stack: torch.Tensor | None = None  # persistent zero-padded input
     blocks: list[int] = field(default_factory=list)  # global block index of each stack row
     block_ids: torch.Tensor | None = None
+
+
+@dataclass
+class _Fused:
+    """Matrices of one path orthogonalised by one Triton launch (``kernels.orthogonalize_blocks``)."""
+
+    use_gram: bool
+    rows: int = 0  # largest smaller side
+    meta: list[list[int]] = field(default_factory=list)  # kernels.META_COLS integers per matrix
+    size: int = 0  # workspace elements
+    table: torch.Tensor | None = None
+    work: torch.Tensor | None = None
+    coefs: torch.Tensor | None = None
 
 
 #: Eager steps before a CUDA graph of the step is captured (lets cuBLAS and the caching
@@ -93,6 +125,7 @@ class GroupEngine:
         self.beta = float(group["momentum"])
         self.weight_decay = float(group["weight_decay"]) > 0
         self.scalars = torch.zeros(5, dtype=torch.float64, device=dev)
+        self.fused = bool(optimizer.flash_muon) and triton_runs_on(dev)
         self._build_adam(optimizer.state)
         self._build_muon(optimizer.state, group)
         self.use_graph = dev.type == "cuda" and optimizer.cuda_graph
@@ -106,6 +139,7 @@ class GroupEngine:
             tuple(id(p) if p.grad is not None else 0 for p in group["params"]),
             optimizer._names_version,
             optimizer._state_version,
+            optimizer.flash_muon,
             group["muon_mode"],
             group["enable_gram"],
             group["magma_muon"],
@@ -170,9 +204,9 @@ class GroupEngine:
         for _, (bs, rows, cols) in self.muon:
             lengths += [rows * cols] * bs
             scales += [F.muon_scale(rows, cols, lr_adjust, coeff)] * bs
-        block_lengths = torch.tensor(lengths, dtype=torch.int64, **kw)
         self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
-        self.block_of_element = torch.repeat_interleave(torch.arange(len(lengths), **kw), block_lengths)
+        self.block_factor = torch.zeros_like(self.block_scale)  # scale x Magma x -lr, per step
+        self.block_starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, **kw)
         self.magma = bool(group["magma_muon"])
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
@@ -183,20 +217,38 @@ class GroupEngine:
                     view.copy_(old)
                 state[p]["magma_score"] = view
 
-        # Buckets of zero-padded stacks, and the index maps into and out of them.
+        # Each matrix goes to a Triton launch (small enough, ``flash_muon`` on) or to a
+        # zero-padded stack of the torch path, with the index maps into and out of it.
         use_gram = bool(group["enable_gram"])
+        max_rows = self._kernels().MAX_ROWS if self.fused else 0
+        fused: dict[bool, _Fused] = {}
         buckets: dict[tuple[bool, int], _Bucket] = {}
         offset = block = 0
         for _, (bs, rows, cols) in self.muon:
             gram = use_gram and rows != cols
             small, large = min(rows, cols), max(rows, cols)
-            b = buckets.setdefault((gram, bucket_key(small, self.device)), _Bucket(gram))
-            b.members.append((offset, bs, rows, cols, b.batch, rows > cols))
-            b.blocks.extend(range(block, block + bs))
+            if small <= max_rows:
+                f = fused.setdefault(gram, _Fused(gram))
+                f.rows = max(f.rows, small)
+                # wide orientation: (r, c) of the m x n view is element (c, r) of a tall matrix
+                strides = (1, small) if rows > cols else (large, 1)
+                for i in range(bs):
+                    f.meta.append([offset + i * rows * cols, f.size, small, large, *strides, block + i, 0])
+                    f.size += rows * cols
+            else:
+                b = buckets.setdefault((gram, bucket_key(small, self.device)), _Bucket(gram))
+                b.members.append((offset, bs, rows, cols, b.batch, rows > cols))
+                b.blocks.extend(range(block, block + bs))
+                b.batch += bs
+                b.rows, b.cols = max(b.rows, small), max(b.cols, large)
             block += bs
-            b.batch += bs
-            b.rows, b.cols = max(b.rows, small), max(b.cols, large)
             offset += bs * rows * cols
+        for f in fused.values():
+            K = self._kernels()
+            f.table = torch.tensor(f.meta, dtype=torch.int64, **kw)
+            f.work = torch.zeros(f.size, dtype=K.GRAM_WORK_DTYPE if f.use_gram else K.STANDARD_WORK_DTYPE, **kw)
+            f.coefs = K.coefficient_table(f.use_gram, self.device)
+        self.fused_paths = list(fused.values())
         for b in buckets.values():
             src, dst = [], []
             for off, bs, rows, cols, boff, tall in b.members:
@@ -210,6 +262,12 @@ class GroupEngine:
             b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=self.dtype, **kw)
             b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, **kw)
         self.buckets = list(buckets.values())
+
+    @staticmethod
+    def _kernels() -> Any:
+        from . import kernels  # imports triton: only when the fused path is on
+
+        return kernels
 
     # ------------------------------------------------------------------- step
     #
@@ -300,8 +358,12 @@ class GroupEngine:
         self.momentum.lerp_(grads, ok.to(self.dtype) * (1.0 - self.beta))
         update = torch.lerp(grads, self.momentum, self.beta)
 
-        scale = self.block_scale
-        if self.magma:
+        factor = self.block_factor  # per block: Muon scale x Magma multiplier x -lr
+        if self.magma and self.fused:
+            self._kernels().magma_factors(
+                self.momentum, grads, self.block_starts, self.block_scale, self.scores, factor, neg_lr, ok
+            )
+        elif self.magma:
             # Per-block sums of m*g, m*m, g*g: scattered into the zero-padded layout of the
             # Newton-Schulz stacks (one row per block) and summed per row: deterministic, and
             # each block is summed on its own, whatever the scale of the other blocks.
@@ -317,13 +379,17 @@ class GroupEngine:
             cos = (dot / denom).clamp(-1.0, 1.0)
             raw = torch.sigmoid(cos / F.MAGMA_TAU)
             raw = ((raw - F.MAGMA_SIGMOID_LOW) / (F.MAGMA_SIGMOID_HIGH - F.MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
-            scale = scale * F.magma_scale_(self.scores, raw, ok)
+            torch.mul(self.block_scale * F.magma_scale_(self.scores, raw, ok), neg_lr.float(), out=factor)
+        else:
+            torch.mul(self.block_scale, neg_lr.float(), out=factor)
 
-        ortho = torch.empty_like(update)
+        for f in self.fused_paths:
+            self._kernels().orthogonalize_blocks(
+                update, self.muon_delta, f.work, f.table, f.coefs, factor, f.rows, f.use_gram
+            )
         for b in self.buckets:
             b.stack.view(-1).index_copy_(0, b.dst, update.index_select(0, b.src))
             out = F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack)
-            ortho.index_copy_(0, b.src, out.reshape(-1).index_select(0, b.dst).to(ortho.dtype))
-        element_scale = scale.index_select(0, self.block_of_element).to(ortho.dtype)
-        torch.mul(ortho, element_scale, out=self.muon_delta).mul_(neg_lr)
+            out = out.to(self.dtype) * factor.index_select(0, b.block_ids).to(self.dtype).view(-1, 1, 1)
+            self.muon_delta.index_copy_(0, b.src, out.reshape(-1).index_select(0, b.dst))
         torch._foreach_add_(params, self.muon_delta_views)

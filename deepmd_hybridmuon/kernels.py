@@ -1,0 +1,312 @@
+"""Triton kernels of the flat engine: Newton–Schulz and Magma in one launch each.
+
+The flat engine (``flat.py``) uses this module when ``flash_muon`` is on and Triton can run
+(CUDA, or Triton's CPU interpreter under ``TRITON_INTERPRET=1``). The per-tensor loop in
+``optimizer.py`` stays the specification; these kernels compute the same functions
+(``functional.newton_schulz``, ``functional.gram_newton_schulz``,
+``functional.magma_raw_score`` and ``functional.magma_scale_``) in fewer launches.
+
+Newton–Schulz (:func:`orthogonalize_blocks`): each program of a launch takes one matrix whose
+smaller side is at most :data:`MAX_ROWS` and runs the whole iteration on it:
+
+* it reads its block of the engine's flat Nesterov-update vector directly (row/column
+  strides give the wide orientation: no padded stack, no index copies);
+* the ``m x m`` products (``A = X X^T``, the polynomial, the Gram matrix and the
+  accumulated transform) stay in registers; ``X`` (``m x n``) lives in a per-matrix slice
+  of a bf16/fp16 workspace and is streamed through in column chunks of :data:`CHUNK`;
+* the result, times the block's factor (Muon scale x Magma x -lr, computed on the device
+  before), is written to the flat output vector in the parameter's own layout.
+
+Precision follows the reference functions: bfloat16 operands with float32 accumulation
+for the standard iteration, float16 for the Gram iteration, normalisation in float32.
+The summation order of the products differs from cuBLAS, so results agree with the
+torch path to rounding. Programs of one launch share no memory and never synchronise,
+so a launch takes as long as its largest matrix, not the sum over matrices.
+
+Magma (:func:`magma_factors`): one program per block sums m*g, m*m and g*g over the block's
+contiguous range of the flat vectors (a fixed order: deterministic), updates the block's
+score and writes the block's factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import functional as F
+
+__all__ = [
+    "CHUNK",
+    "GRAM_WORK_DTYPE",
+    "MAX_ROWS",
+    "META_COLS",
+    "STANDARD_WORK_DTYPE",
+    "coefficient_table",
+    "magma_factors",
+    "orthogonalize_blocks",
+]
+
+#: Largest smaller side handled by one program: the ``m x m`` float32 accumulators of a
+#: 128 x 128 matrix take 64 registers per thread at 8 warps; larger matrices need several
+#: programs per matrix and stay on the batched torch path.
+MAX_ROWS: int = 128
+#: Columns of ``X`` per chunk of the streamed products (a multiple of 16 for ``tl.dot``).
+CHUNK: int = 64
+#: Integers per matrix in the metadata table: source offset, workspace offset, m, n,
+#: row stride, column stride, block index, unused.
+META_COLS: int = 8
+#: Workspace dtypes of the two iterations (those of the reference functions).
+STANDARD_WORK_DTYPE: torch.dtype = torch.bfloat16
+GRAM_WORK_DTYPE: torch.dtype = torch.float16
+
+
+def coefficient_table(use_gram: bool, device: torch.device) -> torch.Tensor:
+    """The (a, b, c) of every iteration, one row each, as a float32 device tensor."""
+    if use_gram:
+        rows = list(F.POLAR_EXPRESS_COEFFS)
+    else:
+        rows = [F.NS_FAST_COEFFS] * F.NS_FAST_STEPS + [F.NS_POLISH_COEFFS] * F.NS_POLISH_STEPS
+    return torch.tensor(rows, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def _load_chunk(base, rows, cols, m, n, s_r, s_c):
+    mask = (rows < m)[:, None] & (cols < n)[None, :]
+    return tl.load(base + rows[:, None] * s_r + cols[None, :] * s_c, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_chunk(base, value, rows, cols, m, n, s_r, s_c):
+    mask = (rows < m)[:, None] & (cols < n)[None, :]
+    tl.store(base + rows[:, None] * s_r + cols[None, :] * s_c, value, mask=mask)
+
+
+@triton.jit
+def _gram(work, rows, cols, m, n, BM: tl.constexpr, BN: tl.constexpr):
+    """X X^T of the workspace matrix, float32 accumulation."""
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for c0 in range(0, n, BN):
+        x = _load_chunk(work, rows, c0 + cols, m, n, n, 1)
+        acc = tl.dot(x, tl.trans(x), acc)
+    return acc
+
+
+@triton.jit
+def _apply_left(work, T, rows, cols, m, n, alpha, BN: tl.constexpr):
+    """X <- alpha X + T X in place, chunk by chunk (T is m x m, already in X's dtype)."""
+    for c0 in range(0, n, BN):
+        x = _load_chunk(work, rows, c0 + cols, m, n, n, 1)
+        y = tl.dot(T, x, alpha * x.to(tl.float32))
+        _store_chunk(work, y.to(x.dtype), rows, c0 + cols, m, n, n, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _newton_schulz_kernel(
+    src_ptr,
+    dst_ptr,
+    work_ptr,
+    meta_ptr,
+    coef_ptr,
+    scale_ptr,
+    n_steps,
+    eps,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    GRAM: tl.constexpr,
+):
+    meta = meta_ptr + tl.program_id(0) * 8
+    src_off = tl.load(meta)
+    work_off = tl.load(meta + 1)
+    m = tl.load(meta + 2)
+    n = tl.load(meta + 3)
+    s_r = tl.load(meta + 4)
+    s_c = tl.load(meta + 5)
+    block = tl.load(meta + 6)
+    rows = tl.arange(0, BM)
+    cols = tl.arange(0, BN)
+    src = src_ptr + src_off
+    work = work_ptr + work_off
+    wdtype = work_ptr.dtype.element_ty
+
+    # X0 = G / ||G||_F in the workspace (wide orientation, row-major, row stride n).
+    sq = tl.zeros((BM, BN), dtype=tl.float32)
+    for c0 in range(0, n, BN):
+        g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
+        sq += g * g
+    norm = tl.sqrt(tl.sum(sq))
+    if GRAM:
+        inv = 1.0 / (norm + eps)
+    else:
+        inv = 1.0 / tl.maximum(norm, eps)
+    for c0 in range(0, n, BN):
+        g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
+        _store_chunk(work, (g * inv).to(wdtype), rows, c0 + cols, m, n, n, 1)
+    tl.debug_barrier()
+
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    if GRAM:
+        # Polar Express on the Gram matrix: R = X X^T, Q accumulates p_k(R); X is re-formed
+        # before iteration 2 (functional.GRAM_RESTART_ITERATIONS) and at the end.
+        R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
+        Q = eye.to(wdtype)
+        for k in tl.static_range(5):
+            a = tl.load(coef_ptr + 3 * k)
+            b = tl.load(coef_ptr + 3 * k + 1)
+            c = tl.load(coef_ptr + 3 * k + 2)
+            if k == 2:
+                _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
+                R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
+            Z = (c * tl.dot(R, R) + b * R.to(tl.float32)).to(wdtype)
+            if k == 0 or k == 2:
+                Q = (Z.to(tl.float32) + a * eye).to(wdtype)
+            else:
+                Q = tl.dot(Q, Z, a * Q.to(tl.float32)).to(wdtype)
+            if k != 1 and k != 4:
+                RP = tl.dot(R, Z, a * R.to(tl.float32)).to(wdtype)
+                R = tl.dot(Z, RP, a * RP.to(tl.float32)).to(wdtype)
+        _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
+    else:
+        for k in range(n_steps):
+            a = tl.load(coef_ptr + 3 * k)
+            b = tl.load(coef_ptr + 3 * k + 1)
+            c = tl.load(coef_ptr + 3 * k + 2)
+            A = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
+            B = (c * tl.dot(A, A) + b * A.to(tl.float32)).to(wdtype)
+            tl.debug_barrier()
+            _apply_left(work, B, rows, cols, m, n, a, BN)
+
+    # out = scale * X in the source layout and the output's dtype.
+    scale = tl.load(scale_ptr + block)
+    dst = dst_ptr + src_off
+    for c0 in range(0, n, BN):
+        x = _load_chunk(work, rows, c0 + cols, m, n, n, 1).to(tl.float32)
+        _store_chunk(dst, (x * scale).to(dst_ptr.dtype.element_ty), rows, c0 + cols, m, n, s_r, s_c)
+
+
+def orthogonalize_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    work: torch.Tensor,
+    meta: torch.Tensor,
+    coefs: torch.Tensor,
+    scale: torch.Tensor,
+    rows: int,
+    use_gram: bool,
+) -> None:
+    """Orthogonalise every matrix listed in ``meta`` (one launch) and write ``scale * O`` to ``dst``.
+
+    Parameters
+    ----------
+    src, dst
+        Flat vectors (same length and layout): the Nesterov updates, and the output.
+    work
+        Workspace, float16 for the Gram path and bfloat16 otherwise, with room for
+        ``m * n`` elements per matrix at the offsets given in ``meta``.
+    meta
+        ``(count, META_COLS)`` int64 table, see :data:`META_COLS`.
+    coefs
+        :func:`coefficient_table` of the path.
+    scale
+        Per-block multipliers (float32), indexed by the block column of ``meta``.
+    rows
+        Largest smaller side among the matrices (at most :data:`MAX_ROWS`).
+    use_gram
+        Gram Newton–Schulz (rectangular matrices) instead of the standard iteration.
+    """
+    bm = max(16, triton.next_power_of_2(rows))
+    _newton_schulz_kernel[(meta.size(0),)](
+        src,
+        dst,
+        work,
+        meta,
+        coefs,
+        scale,
+        coefs.size(0),
+        F.NS_EPS,
+        BM=bm,
+        BN=CHUNK,
+        GRAM=use_gram,
+        num_warps=8 if bm >= 128 else 4,
+    )
+
+
+@triton.jit
+def _magma_kernel(
+    mom_ptr,
+    grad_ptr,
+    start_ptr,
+    base_ptr,
+    score_ptr,
+    out_ptr,
+    neg_lr_ptr,
+    ok_ptr,
+    BLOCK: tl.constexpr,
+    TAU: tl.constexpr,
+    LOW: tl.constexpr,
+    HIGH: tl.constexpr,
+    DECAY: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    start = tl.load(start_ptr + blk)
+    stop = tl.load(start_ptr + blk + 1)
+    offs = tl.arange(0, BLOCK)
+    mg = tl.zeros((BLOCK,), dtype=tl.float32)
+    mm = tl.zeros((BLOCK,), dtype=tl.float32)
+    gg = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(start, stop, BLOCK):
+        idx = i + offs
+        mask = idx < stop
+        m = tl.load(mom_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        mg += m * g
+        mm += m * m
+        gg += g * g
+    denom = tl.maximum(tl.sqrt(tl.sum(mm)) * tl.sqrt(tl.sum(gg)), EPS)
+    cos = tl.minimum(tl.maximum(tl.sum(mg) / denom, -1.0), 1.0)
+    raw = 1.0 / (1.0 + tl.exp(-cos / TAU))
+    raw = tl.minimum(tl.maximum((raw - LOW) / (HIGH - LOW), 0.0), 1.0)
+    ok = tl.load(ok_ptr)
+    score = tl.load(score_ptr + blk)
+    score = tl.where(ok > 0, score * DECAY + (1.0 - DECAY) * raw, score)
+    tl.store(score_ptr + blk, score)
+    neg_lr = tl.load(neg_lr_ptr).to(tl.float32)
+    tl.store(out_ptr + blk, tl.load(base_ptr + blk) * (MIN_SCALE + (1.0 - MIN_SCALE) * score) * neg_lr)
+
+
+def magma_factors(
+    momentum: torch.Tensor,
+    grad: torch.Tensor,
+    starts: torch.Tensor,
+    base: torch.Tensor,
+    scores: torch.Tensor,
+    out: torch.Tensor,
+    neg_lr: torch.Tensor,
+    ok: torch.Tensor,
+) -> None:
+    """Magma-lite for every block in one launch: update ``scores``, write ``base * magma * neg_lr`` to ``out``.
+
+    ``starts`` (int64, blocks + 1) delimits the blocks in the flat ``momentum`` and
+    ``grad`` vectors; ``base`` holds the Muon scale of each block; ``neg_lr`` and ``ok`` are
+    0-dim device tensors (``ok`` 0 keeps the scores, see ``functional.finite_gate``).
+    """
+    _magma_kernel[(scores.numel(),)](
+        momentum,
+        grad,
+        starts,
+        base,
+        scores,
+        out,
+        neg_lr,
+        ok,
+        BLOCK=1024,
+        TAU=F.MAGMA_TAU,
+        LOW=F.MAGMA_SIGMOID_LOW,
+        HIGH=F.MAGMA_SIGMOID_HIGH,
+        DECAY=F.MAGMA_EMA_DECAY,
+        MIN_SCALE=F.MAGMA_MIN_SCALE,
+        EPS=F.MAGMA_EPS,
+    )
