@@ -1,5 +1,9 @@
 #!/usr/bin/env python
-"""Kernels of one eager optimizer step (ours, no CUDA graph): count and top GPU time.
+"""Where one optimizer step (ours) spends its time.
+
+Per config: the kernels of one eager step (count and top GPU time), then, with the CUDA
+graph on, the host time of ``step()`` (everything before the replay is host work the GPU
+waits for) and the GPU time of one graph replay.
 
 Usage::
 
@@ -9,7 +13,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +51,33 @@ def main() -> None:
         total = sum(e.device_time for e in events)
         print(f"## {name} ({kw}): {len(events)} kernels, {total / 1000:.3f} ms of GPU time")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+        print(graph_split(named, {**kw, "cuda_graph": True}))
+
+
+def graph_split(named: list, kw: dict) -> str:
+    """Median host time of ``step()`` and GPU time of a graph replay, graph on."""
+    params = [p for _, p in named]
+    opt = HybridMuonOptimizer(params, named_parameters=named, **kw)
+    grads = [torch.randn_like(p) for p in params]
+    host, replay = [], []
+    for i in range(40):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        engine = opt._engines.get(0)
+        if i >= 10 and engine is not None and engine.graph is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            engine.graph.replay()
+            end.record()
+            end.synchronize()
+            replay.append(start.elapsed_time(end))
+    replay_ms = f"{statistics.median(replay):.3f}" if replay else "n/a (no graph)"
+    return f"graph on: host time of step() {statistics.median(host[10:]):.3f} ms, one replay {replay_ms} ms (GPU)\n"
 
 
 if __name__ == "__main__":

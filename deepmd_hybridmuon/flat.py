@@ -23,7 +23,7 @@ with gradients, names, routing options, a loaded state dict). Per DPA-3 step tha
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +84,7 @@ class _Fused:
 
     use_gram: bool
     rows: int = 0  # largest smaller side
+    cols: int = 0  # largest larger side
     meta: list[list[int]] = field(default_factory=list)  # kernels.META_COLS integers per matrix
     size: int = 0  # workspace elements
     table: torch.Tensor | None = None
@@ -130,6 +131,7 @@ class GroupEngine:
         self._build_muon(optimizer.state, group)
         self.use_graph = dev.type == "cuda" and optimizer.cuda_graph
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.side_stream: torch.cuda.Stream | None = None  # only while capturing
         self.eager_steps = 0
 
     @staticmethod
@@ -181,12 +183,14 @@ class GroupEngine:
         self.adam_delta = torch.zeros(n, device=self.device, dtype=self.dtype)
         self.adam_grad = torch.zeros(n, device=self.device, dtype=self.dtype)
         self.adam_delta_views = _split_views(self.adam_delta, self.adam)
+        self.adam_grad_views = _split_views(self.adam_grad, self.adam)
         fresh = [p for p in self.adam if "exp_avg" not in state[p]]
         self._adopt(state, self.adam, "exp_avg", self.exp_avg)
         self._adopt(state, self.adam, "exp_avg_sq", self.exp_avg_sq)
         for p in fresh:
             state[p]["beta1_pow"] = 1.0
             state[p]["beta2_pow"] = 1.0
+        self.adam_states = [state[p] for p in self.adam]  # a new state dict bumps _state_version
 
     def _build_muon(self, state: dict, group: dict[str, Any]) -> None:
         params = [p for p, _ in self.muon]
@@ -197,6 +201,7 @@ class GroupEngine:
         self.muon_delta = torch.zeros(n, dtype=self.dtype, **kw)
         self.muon_grad = torch.zeros(n, dtype=self.dtype, **kw)
         self.muon_delta_views = _split_views(self.muon_delta, params)
+        self.muon_grad_views = _split_views(self.muon_grad, params)
 
         # Blocks (one per matrix of each view) and their per-block Muon scale.
         lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
@@ -206,7 +211,6 @@ class GroupEngine:
             scales += [F.muon_scale(rows, cols, lr_adjust, coeff)] * bs
         self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
         self.block_factor = torch.zeros_like(self.block_scale)  # scale x Magma x -lr, per step
-        self.block_starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64, **kw)
         self.magma = bool(group["magma_muon"])
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
@@ -220,16 +224,16 @@ class GroupEngine:
         # Each matrix goes to a Triton launch (small enough, ``flash_muon`` on) or to a
         # zero-padded stack of the torch path, with the index maps into and out of it.
         use_gram = bool(group["enable_gram"])
-        max_rows = self._kernels().MAX_ROWS if self.fused else 0
-        fused: dict[bool, _Fused] = {}
+        K = self._kernels() if self.fused else None
+        fused: dict[tuple[bool, bool], _Fused] = {}
         buckets: dict[tuple[bool, int], _Bucket] = {}
         offset = block = 0
         for _, (bs, rows, cols) in self.muon:
             gram = use_gram and rows != cols
             small, large = min(rows, cols), max(rows, cols)
-            if small <= max_rows:
-                f = fused.setdefault(gram, _Fused(gram))
-                f.rows = max(f.rows, small)
+            if K is not None and small <= K.MAX_ROWS:
+                f = fused.setdefault((gram, K.resident(small, large)), _Fused(gram))
+                f.rows, f.cols = max(f.rows, small), max(f.cols, large)
                 # wide orientation: (r, c) of the m x n view is element (c, r) of a tall matrix
                 strides = (1, small) if rows > cols else (large, 1)
                 for i in range(bs):
@@ -244,11 +248,17 @@ class GroupEngine:
             block += bs
             offset += bs * rows * cols
         for f in fused.values():
-            K = self._kernels()
+            assert K is not None
             f.table = torch.tensor(f.meta, dtype=torch.int64, **kw)
-            f.work = torch.zeros(f.size, dtype=K.GRAM_WORK_DTYPE if f.use_gram else K.STANDARD_WORK_DTYPE, **kw)
+            size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
+            f.work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if f.use_gram else K.STANDARD_WORK_DTYPE, **kw)
             f.coefs = K.coefficient_table(f.use_gram, self.device)
         self.fused_paths = list(fused.values())
+        if K is not None and self.magma:
+            bounds, first = K.magma_chunks(lengths)
+            self.magma_bounds = torch.tensor(bounds, dtype=torch.int64, **kw)
+            self.magma_first = torch.tensor(first, dtype=torch.int64, **kw)
+            self.magma_partial = torch.zeros(3 * (len(bounds) - 1), dtype=torch.float32, **kw)
         for b in buckets.values():
             src, dst = [], []
             for off, bs, rows, cols, boff, tall in b.members:
@@ -283,12 +293,11 @@ class GroupEngine:
         The engine shares one pair of Adam bias corrections; when Adam parameters are at
         different step counts (some once had no gradient) the loop runs instead.
         """
-        state = optimizer.state
         if self.adam:
-            first = state[self.adam[0]]["beta1_pow"]
-            if any(state[p]["beta1_pow"] != first for p in self.adam):
+            first = self.adam_states[0]["beta1_pow"]
+            if any(st["beta1_pow"] != first for st in self.adam_states):
                 return False
-        self._stage(state, group)
+        self._stage(group)
         if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP:
             self._capture()
         if self.graph is not None:
@@ -298,7 +307,7 @@ class GroupEngine:
             self.eager_steps += 1
         return True
 
-    def _stage(self, state: dict, group: dict[str, Any]) -> None:
+    def _stage(self, group: dict[str, Any]) -> None:
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
         lr_adjust = float(group["lr_adjust"])
@@ -306,16 +315,15 @@ class GroupEngine:
         step_size = bc2 = 1.0
         if self.adam:
             beta1, beta2 = self.betas
-            for p in self.adam:
-                st = state[p]
+            for st in self.adam_states:
                 st["beta1_pow"] *= beta1
                 st["beta2_pow"] *= beta2
-            s0 = state[self.adam[0]]
+            s0 = self.adam_states[0]
             step_size = adam_lr / (1.0 - s0["beta1_pow"])
             bc2 = 1.0 - s0["beta2_pow"]
-            torch.cat([p.grad.reshape(-1) for p in self.adam], out=self.adam_grad)
+            torch._foreach_copy_(self.adam_grad_views, [p.grad for p in self.adam])
         if self.muon:
-            torch.cat([p.grad.reshape(-1) for p, _ in self.muon], out=self.muon_grad)
+            torch._foreach_copy_(self.muon_grad_views, [p.grad for p, _ in self.muon])
         values = [1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2]
         host = torch.tensor(values, dtype=torch.float64, device="cpu")  # deepmd sets a CUDA default device
         if self.device.type == "cuda":
@@ -324,8 +332,14 @@ class GroupEngine:
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._compute()
+        # Captured, the torch path's Newton-Schulz runs on a second stream, in parallel
+        # with the Triton launches (a fork and a join in the graph).
+        self.side_stream = torch.cuda.Stream(self.device) if (self.buckets and self.fused_paths) else None
+        try:
+            with torch.cuda.graph(graph):
+                self._compute()
+        finally:
+            self.side_stream = None
         self.graph = graph
 
     def _compute(self) -> None:
@@ -361,7 +375,16 @@ class GroupEngine:
         factor = self.block_factor  # per block: Muon scale x Magma multiplier x -lr
         if self.magma and self.fused:
             self._kernels().magma_factors(
-                self.momentum, grads, self.block_starts, self.block_scale, self.scores, factor, neg_lr, ok
+                self.momentum,
+                grads,
+                self.magma_bounds,
+                self.magma_first,
+                self.magma_partial,
+                self.block_scale,
+                self.scores,
+                factor,
+                neg_lr,
+                ok,
             )
         elif self.magma:
             # Per-block sums of m*g, m*m, g*g: scattered into the zero-padded layout of the
@@ -383,13 +406,21 @@ class GroupEngine:
         else:
             torch.mul(self.block_scale, neg_lr.float(), out=factor)
 
+        # The two paths read `update` and `factor` and write disjoint parts of muon_delta.
+        side = self.side_stream
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        if side is not None and main is not None:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for b in self.buckets:
+                b.stack.view(-1).index_copy_(0, b.dst, update.index_select(0, b.src))
+                out = F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack)
+                out = out.to(self.dtype) * factor.index_select(0, b.block_ids).to(self.dtype).view(-1, 1, 1)
+                self.muon_delta.index_copy_(0, b.src, out.reshape(-1).index_select(0, b.dst))
         for f in self.fused_paths:
             self._kernels().orthogonalize_blocks(
-                update, self.muon_delta, f.work, f.table, f.coefs, factor, f.rows, f.use_gram
+                update, self.muon_delta, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram
             )
-        for b in self.buckets:
-            b.stack.view(-1).index_copy_(0, b.dst, update.index_select(0, b.src))
-            out = F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack)
-            out = out.to(self.dtype) * factor.index_select(0, b.block_ids).to(self.dtype).view(-1, 1, 1)
-            self.muon_delta.index_copy_(0, b.src, out.reshape(-1).index_select(0, b.dst))
+        if side is not None and main is not None:
+            main.wait_stream(side)
         torch._foreach_add_(params, self.muon_delta_views)

@@ -53,6 +53,12 @@ __all__ = [
 MAX_ROWS: int = 128
 #: Columns of ``X`` per chunk of the streamed products (a multiple of 16 for ``tl.dot``).
 CHUNK: int = 64
+#: Largest padded ``m x n`` kept whole in registers for the whole iteration (128 x 128:
+#: 32 registers per thread for the bf16 tile and 64 for its float32 products at 8 warps).
+#: Larger matrices stream ``X`` through the workspace in chunks of :data:`CHUNK` columns.
+RESIDENT_ELEMENTS: int = 128 * 128
+#: Elements per partial sum of the Magma kernel (a block spans one or more of them).
+MAGMA_CHUNK: int = 4096
 #: Integers per matrix in the metadata table: source offset, workspace offset, m, n,
 #: row stride, column stride, block index, unused.
 META_COLS: int = 8
@@ -103,6 +109,42 @@ def _apply_left(work, T, rows, cols, m, n, alpha, BN: tl.constexpr):
 
 
 @triton.jit
+def _inverse_norm(sum_sq, eps, GRAM: tl.constexpr):
+    """1 / ||G||: with ``eps`` added (Gram reference) or as a floor (standard reference)."""
+    norm = tl.sqrt(sum_sq)
+    if GRAM:
+        return 1.0 / (norm + eps)
+    return 1.0 / tl.maximum(norm, eps)
+
+
+@triton.jit
+def _quintic_polynomial(A, coef_ptr, k):
+    """b A + c A^2 of iteration ``k`` (the ``a X`` term is added by the caller), in A's dtype."""
+    b = tl.load(coef_ptr + 3 * k + 1)
+    c = tl.load(coef_ptr + 3 * k + 2)
+    return (c * tl.dot(A, A) + b * A.to(tl.float32)).to(A.dtype)
+
+
+@triton.jit
+def _polar_express_step(R, Q, eye, coef_ptr, k: tl.constexpr):
+    """Iteration ``k`` of the Gram form: Z = b R + c R^2, Q <- Q (a I + Z), R <- (a I + Z) R (a I + Z).
+
+    Q starts afresh at iterations 0 and 2 (the restart); R is not updated before the restart
+    or after the last iteration, where it is not used (functional.gram_newton_schulz).
+    """
+    a = tl.load(coef_ptr + 3 * k)
+    Z = _quintic_polynomial(R, coef_ptr, k)
+    if k == 0 or k == 2:
+        Q = (Z.to(tl.float32) + a * eye).to(R.dtype)
+    else:
+        Q = tl.dot(Q, Z, a * Q.to(tl.float32)).to(R.dtype)
+    if k != 1 and k != 4:
+        RP = tl.dot(R, Z, a * R.to(tl.float32)).to(R.dtype)
+        R = tl.dot(Z, RP, a * RP.to(tl.float32)).to(R.dtype)
+    return R, Q
+
+
+@triton.jit
 def _newton_schulz_kernel(
     src_ptr,
     dst_ptr,
@@ -115,6 +157,7 @@ def _newton_schulz_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     GRAM: tl.constexpr,
+    RESIDENT: tl.constexpr,
 ):
     meta = meta_ptr + tl.program_id(0) * 8
     src_off = tl.load(meta)
@@ -130,59 +173,69 @@ def _newton_schulz_kernel(
     work = work_ptr + work_off
     wdtype = work_ptr.dtype.element_ty
 
-    # X0 = G / ||G||_F in the workspace (wide orientation, row-major, row stride n).
-    sq = tl.zeros((BM, BN), dtype=tl.float32)
-    for c0 in range(0, n, BN):
-        g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
-        sq += g * g
-    norm = tl.sqrt(tl.sum(sq))
-    if GRAM:
-        inv = 1.0 / (norm + eps)
-    else:
-        inv = 1.0 / tl.maximum(norm, eps)
-    for c0 in range(0, n, BN):
-        g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
-        _store_chunk(work, (g * inv).to(wdtype), rows, c0 + cols, m, n, n, 1)
-    tl.debug_barrier()
-
     eye = (rows[:, None] == rows[None, :]).to(tl.float32)
-    if GRAM:
-        # Polar Express on the Gram matrix: R = X X^T, Q accumulates p_k(R); X is re-formed
-        # before iteration 2 (functional.GRAM_RESTART_ITERATIONS) and at the end.
-        R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
-        Q = eye.to(wdtype)
-        for k in tl.static_range(5):
-            a = tl.load(coef_ptr + 3 * k)
-            b = tl.load(coef_ptr + 3 * k + 1)
-            c = tl.load(coef_ptr + 3 * k + 2)
-            if k == 2:
-                _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
-                R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
-            Z = (c * tl.dot(R, R) + b * R.to(tl.float32)).to(wdtype)
-            if k == 0 or k == 2:
-                Q = (Z.to(tl.float32) + a * eye).to(wdtype)
-            else:
-                Q = tl.dot(Q, Z, a * Q.to(tl.float32)).to(wdtype)
-            if k != 1 and k != 4:
-                RP = tl.dot(R, Z, a * R.to(tl.float32)).to(wdtype)
-                R = tl.dot(Z, RP, a * RP.to(tl.float32)).to(wdtype)
-        _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
-    else:
-        for k in range(n_steps):
-            a = tl.load(coef_ptr + 3 * k)
-            b = tl.load(coef_ptr + 3 * k + 1)
-            c = tl.load(coef_ptr + 3 * k + 2)
-            A = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
-            B = (c * tl.dot(A, A) + b * A.to(tl.float32)).to(wdtype)
-            tl.debug_barrier()
-            _apply_left(work, B, rows, cols, m, n, a, BN)
-
-    # out = scale * X in the source layout and the output's dtype.
     scale = tl.load(scale_ptr + block)
     dst = dst_ptr + src_off
-    for c0 in range(0, n, BN):
-        x = _load_chunk(work, rows, c0 + cols, m, n, n, 1).to(tl.float32)
-        _store_chunk(dst, (x * scale).to(dst_ptr.dtype.element_ty), rows, c0 + cols, m, n, s_r, s_c)
+    if RESIDENT:
+        # The whole matrix in registers (BN >= n): no memory traffic between iterations.
+        g = _load_chunk(src, rows, cols, m, n, s_r, s_c).to(tl.float32)
+        X = (g * _inverse_norm(tl.sum(g * g), eps, GRAM)).to(wdtype)
+        if GRAM:
+            R = tl.dot(X, tl.trans(X)).to(wdtype)
+            Q = eye.to(wdtype)
+            for k in tl.static_range(5):
+                if k == 2:  # restart: re-form X and its Gram matrix
+                    X = tl.dot(Q, X).to(wdtype)
+                    R = tl.dot(X, tl.trans(X)).to(wdtype)
+                R, Q = _polar_express_step(R, Q, eye, coef_ptr, k)
+            Y = tl.dot(Q, X)
+        else:
+            for k in range(n_steps):
+                a = tl.load(coef_ptr + 3 * k)
+                A = tl.dot(X, tl.trans(X)).to(wdtype)
+                B = _quintic_polynomial(A, coef_ptr, k)
+                X = tl.dot(B, X, a * X.to(tl.float32)).to(wdtype)
+            Y = X.to(tl.float32)
+        _store_chunk(dst, (Y * scale).to(dst_ptr.dtype.element_ty), rows, cols, m, n, s_r, s_c)
+    else:
+        # X0 = G / ||G||_F in the workspace (wide orientation, row-major, row stride n).
+        sq = tl.zeros((BM, BN), dtype=tl.float32)
+        for c0 in range(0, n, BN):
+            g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
+            sq += g * g
+        inv = _inverse_norm(tl.sum(sq), eps, GRAM)
+        for c0 in range(0, n, BN):
+            g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
+            _store_chunk(work, (g * inv).to(wdtype), rows, c0 + cols, m, n, n, 1)
+        tl.debug_barrier()
+        if GRAM:
+            R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
+            Q = eye.to(wdtype)
+            for k in tl.static_range(5):
+                if k == 2:  # restart: re-form X and its Gram matrix
+                    _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
+                    R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
+                R, Q = _polar_express_step(R, Q, eye, coef_ptr, k)
+            _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
+        else:
+            for k in range(n_steps):
+                a = tl.load(coef_ptr + 3 * k)
+                B = _quintic_polynomial(_gram(work, rows, cols, m, n, BM, BN).to(wdtype), coef_ptr, k)
+                tl.debug_barrier()
+                _apply_left(work, B, rows, cols, m, n, a, BN)
+        # out = scale * X in the source layout and the output's dtype.
+        for c0 in range(0, n, BN):
+            x = _load_chunk(work, rows, c0 + cols, m, n, n, 1).to(tl.float32)
+            _store_chunk(dst, (x * scale).to(dst_ptr.dtype.element_ty), rows, c0 + cols, m, n, s_r, s_c)
+
+
+def resident(rows: int, cols: int) -> bool:
+    """Whether a matrix (smaller side ``rows``, larger ``cols``) stays in registers."""
+    return _block(rows) * _block(cols) <= RESIDENT_ELEMENTS
+
+
+def _block(size: int) -> int:
+    return max(16, triton.next_power_of_2(size))
 
 
 def orthogonalize_blocks(
@@ -193,6 +246,7 @@ def orthogonalize_blocks(
     coefs: torch.Tensor,
     scale: torch.Tensor,
     rows: int,
+    cols: int,
     use_gram: bool,
 ) -> None:
     """Orthogonalise every matrix listed in ``meta`` (one launch) and write ``scale * O`` to ``dst``.
@@ -202,20 +256,22 @@ def orthogonalize_blocks(
     src, dst
         Flat vectors (same length and layout): the Nesterov updates, and the output.
     work
-        Workspace, float16 for the Gram path and bfloat16 otherwise, with room for
-        ``m * n`` elements per matrix at the offsets given in ``meta``.
+        Workspace, :data:`GRAM_WORK_DTYPE` or :data:`STANDARD_WORK_DTYPE`, with room for
+        ``m * n`` elements per matrix at the offsets given in ``meta`` (unused, but still
+        giving the dtype, when every matrix is :func:`resident`).
     meta
         ``(count, META_COLS)`` int64 table, see :data:`META_COLS`.
     coefs
         :func:`coefficient_table` of the path.
     scale
         Per-block multipliers (float32), indexed by the block column of ``meta``.
-    rows
-        Largest smaller side among the matrices (at most :data:`MAX_ROWS`).
+    rows, cols
+        Largest smaller and larger side among the matrices (``rows <= MAX_ROWS``).
     use_gram
         Gram Newton–Schulz (rectangular matrices) instead of the standard iteration.
     """
-    bm = max(16, triton.next_power_of_2(rows))
+    bm = _block(rows)
+    keep = resident(rows, cols)
     _newton_schulz_kernel[(meta.size(0),)](
         src,
         dst,
@@ -226,17 +282,40 @@ def orthogonalize_blocks(
         coefs.size(0),
         F.NS_EPS,
         BM=bm,
-        BN=CHUNK,
+        BN=_block(cols) if keep else CHUNK,
         GRAM=use_gram,
+        RESIDENT=keep,
         num_warps=8 if bm >= 128 else 4,
     )
 
 
 @triton.jit
-def _magma_kernel(
-    mom_ptr,
-    grad_ptr,
-    start_ptr,
+def _magma_partial_kernel(mom_ptr, grad_ptr, bounds_ptr, partial_ptr, n_chunks, BLOCK: tl.constexpr):
+    """Sums of m*g, m*m and g*g over one chunk (``bounds[i]:bounds[i + 1]``)."""
+    i = tl.program_id(0)
+    start = tl.load(bounds_ptr + i)
+    stop = tl.load(bounds_ptr + i + 1)
+    mg = tl.zeros((BLOCK,), dtype=tl.float32)
+    mm = tl.zeros((BLOCK,), dtype=tl.float32)
+    gg = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(start, stop, BLOCK):
+        idx = j + tl.arange(0, BLOCK)
+        mask = idx < stop
+        m = tl.load(mom_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        mg += m * g
+        mm += m * m
+        gg += g * g
+    tl.store(partial_ptr + i, tl.sum(mg))
+    tl.store(partial_ptr + n_chunks + i, tl.sum(mm))
+    tl.store(partial_ptr + 2 * n_chunks + i, tl.sum(gg))
+
+
+@triton.jit
+def _magma_finish_kernel(
+    first_ptr,
+    partial_ptr,
+    n_chunks,
     base_ptr,
     score_ptr,
     out_ptr,
@@ -250,21 +329,19 @@ def _magma_kernel(
     MIN_SCALE: tl.constexpr,
     EPS: tl.constexpr,
 ):
+    """Per block: add its chunks' sums in order, update the score, write the factor."""
     blk = tl.program_id(0)
-    start = tl.load(start_ptr + blk)
-    stop = tl.load(start_ptr + blk + 1)
-    offs = tl.arange(0, BLOCK)
+    first = tl.load(first_ptr + blk)
+    last = tl.load(first_ptr + blk + 1)
     mg = tl.zeros((BLOCK,), dtype=tl.float32)
     mm = tl.zeros((BLOCK,), dtype=tl.float32)
     gg = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(start, stop, BLOCK):
-        idx = i + offs
-        mask = idx < stop
-        m = tl.load(mom_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        mg += m * g
-        mm += m * m
-        gg += g * g
+    for j in range(first, last, BLOCK):
+        idx = j + tl.arange(0, BLOCK)
+        mask = idx < last
+        mg += tl.load(partial_ptr + idx, mask=mask, other=0.0)
+        mm += tl.load(partial_ptr + n_chunks + idx, mask=mask, other=0.0)
+        gg += tl.load(partial_ptr + 2 * n_chunks + idx, mask=mask, other=0.0)
     denom = tl.maximum(tl.sqrt(tl.sum(mm)) * tl.sqrt(tl.sum(gg)), EPS)
     cos = tl.minimum(tl.maximum(tl.sum(mg) / denom, -1.0), 1.0)
     raw = 1.0 / (1.0 + tl.exp(-cos / TAU))
@@ -277,32 +354,52 @@ def _magma_kernel(
     tl.store(out_ptr + blk, tl.load(base_ptr + blk) * (MIN_SCALE + (1.0 - MIN_SCALE) * score) * neg_lr)
 
 
+def magma_chunks(block_lengths: list[int]) -> tuple[list[int], list[int]]:
+    """Chunk bounds over the flat vector (no chunk spans two blocks) and each block's first chunk.
+
+    Returns ``bounds`` (chunks + 1 element offsets) and ``first`` (blocks + 1 chunk indices).
+    """
+    bounds, first, start = [0], [0], 0
+    for length in block_lengths:
+        stop = start + length
+        bounds += [*range(start + MAGMA_CHUNK, stop, MAGMA_CHUNK), stop]
+        first.append(len(bounds) - 1)
+        start = stop
+    return bounds, first
+
+
 def magma_factors(
     momentum: torch.Tensor,
     grad: torch.Tensor,
-    starts: torch.Tensor,
+    bounds: torch.Tensor,
+    first: torch.Tensor,
+    partial: torch.Tensor,
     base: torch.Tensor,
     scores: torch.Tensor,
     out: torch.Tensor,
     neg_lr: torch.Tensor,
     ok: torch.Tensor,
 ) -> None:
-    """Magma-lite for every block in one launch: update ``scores``, write ``base * magma * neg_lr`` to ``out``.
+    """Magma-lite for every block in two launches: update ``scores``, write ``base * magma * neg_lr`` to ``out``.
 
-    ``starts`` (int64, blocks + 1) delimits the blocks in the flat ``momentum`` and
-    ``grad`` vectors; ``base`` holds the Muon scale of each block; ``neg_lr`` and ``ok`` are
-    0-dim device tensors (``ok`` 0 keeps the scores, see ``functional.finite_gate``).
+    ``bounds`` and ``first`` (int64) are :func:`magma_chunks`; ``partial`` is a float32
+    workspace of ``3 * chunks``; ``base`` holds the Muon scale of each block; ``neg_lr`` and
+    ``ok`` are 0-dim device tensors (``ok`` 0 keeps the scores, see
+    ``functional.finite_gate``). Each chunk is summed by one program, then each block adds
+    its chunks in order: deterministic, and long blocks are spread over many programs.
     """
-    _magma_kernel[(scores.numel(),)](
-        momentum,
-        grad,
-        starts,
+    n_chunks = bounds.numel() - 1
+    _magma_partial_kernel[(n_chunks,)](momentum, grad, bounds, partial, n_chunks, BLOCK=1024)
+    _magma_finish_kernel[(scores.numel(),)](
+        first,
+        partial,
+        n_chunks,
         base,
         scores,
         out,
         neg_lr,
         ok,
-        BLOCK=1024,
+        BLOCK=128,
         TAU=F.MAGMA_TAU,
         LOW=F.MAGMA_SIGMOID_LOW,
         HIGH=F.MAGMA_SIGMOID_HIGH,
