@@ -131,7 +131,7 @@ class GroupEngine:
         self._build_muon(optimizer.state, group)
         self.use_graph = dev.type == "cuda" and optimizer.cuda_graph
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.side_stream: torch.cuda.Stream | None = None  # only while capturing
+        self.side_streams: list[torch.cuda.Stream] = []  # only while capturing
         self.eager_steps = 0
 
     @staticmethod
@@ -332,14 +332,14 @@ class GroupEngine:
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        # Captured, the torch path's Newton-Schulz runs on a second stream, in parallel
-        # with the Triton launches (a fork and a join in the graph).
-        self.side_stream = torch.cuda.Stream(self.device) if (self.buckets and self.fused_paths) else None
+        # Captured, each torch bucket's Newton-Schulz runs on a stream of its own (see _muon).
+        parallel = len(self.buckets) + len(self.fused_paths) > 1
+        self.side_streams = [torch.cuda.Stream(self.device) for _ in self.buckets] if parallel else []
         try:
             with torch.cuda.graph(graph):
                 self._compute()
         finally:
-            self.side_stream = None
+            self.side_streams = []
         self.graph = graph
 
     def _compute(self) -> None:
@@ -406,13 +406,16 @@ class GroupEngine:
         else:
             torch.mul(self.block_scale, neg_lr.float(), out=factor)
 
-        # The two paths read `update` and `factor` and write disjoint parts of muon_delta.
-        side = self.side_stream
-        main = torch.cuda.current_stream(self.device) if side is not None else None
-        if side is not None and main is not None:
-            side.wait_stream(main)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for b in self.buckets:
+        # The Triton launches and each torch bucket read `update` and `factor` and write
+        # disjoint parts of muon_delta: captured, every bucket runs on a stream of its own,
+        # in parallel with the others and with the launches (forks and joins in the graph).
+        streams = self.side_streams
+        main = torch.cuda.current_stream(self.device) if streams else None
+        for i, b in enumerate(self.buckets):
+            side = streams[i] if main is not None else None
+            if side is not None and main is not None:
+                side.wait_stream(main)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 b.stack.view(-1).index_copy_(0, b.dst, update.index_select(0, b.src))
                 out = F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack)
                 out = out.to(self.dtype) * factor.index_select(0, b.block_ids).to(self.dtype).view(-1, 1, 1)
@@ -421,6 +424,7 @@ class GroupEngine:
             self._kernels().orthogonalize_blocks(
                 update, self.muon_delta, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram
             )
-        if side is not None and main is not None:
-            main.wait_stream(side)
+        if main is not None:
+            for side in streams:
+                main.wait_stream(side)
         torch._foreach_add_(params, self.muon_delta_views)

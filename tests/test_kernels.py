@@ -137,7 +137,9 @@ PARAMS = {
     "fit.layers.1.matrix": (24, 24),
     "fit.layers.2.matrix": (24, 1),
     "rep.linear.weight": (3, 16, 20),
-    "big.matrix": (160, 136),  # smaller side above MAX_ROWS: the torch path, in the same step
+    # smaller side above MAX_ROWS: two torch buckets (Gram and standard) in the same step
+    "big.matrix": (160, 136),
+    "big.square": (144, 144),
 }
 
 
