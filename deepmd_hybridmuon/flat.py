@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,11 @@ class GroupEngine:
             float(group["weight_decay"]) > 0,
         )
 
+    @property
+    def outdated(self) -> bool:
+        """Built with the torch path while Triton compiled, and the kernels are ready now."""
+        return self.compiling is not None and self.compiling.is_set()
+
     @staticmethod
     def supports(group: dict[str, Any]) -> bool:
         """Whether the flat engine can run this group (one dtype and device, floating point)."""
@@ -225,6 +231,20 @@ class GroupEngine:
         # zero-padded stack of the torch path, with the index maps into and out of it.
         use_gram = bool(group["enable_gram"])
         K = self._kernels() if self.fused else None
+        self.compiling: threading.Event | None = None
+        if K is not None:
+            # The launches this layout needs; until Triton has compiled them (in the
+            # background, kernels.prepare) every matrix takes the torch path.
+            launches: dict[tuple[bool, bool], tuple[bool, int, int]] = {}
+            for _, (_, rows, cols) in self.muon:
+                small, large = min(rows, cols), max(rows, cols)
+                if small <= K.MAX_ROWS:
+                    gram = use_gram and rows != cols
+                    _, r, c = launches.get((gram, K.resident(small, large)), (gram, 0, 0))
+                    launches[(gram, K.resident(small, large))] = (gram, max(r, small), max(c, large))
+            ready = K.prepare(self.device, self.dtype, list(launches.values()), self.magma)
+            if not ready.is_set():
+                self.compiling, K = ready, None
         fused: dict[tuple[bool, bool], _Fused] = {}
         buckets: dict[tuple[bool, int], _Bucket] = {}
         offset = block = 0
@@ -254,7 +274,8 @@ class GroupEngine:
             f.work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if f.use_gram else K.STANDARD_WORK_DTYPE, **kw)
             f.coefs = K.coefficient_table(f.use_gram, self.device)
         self.fused_paths = list(fused.values())
-        if K is not None and self.magma:
+        self.magma_kernel = K is not None and self.magma
+        if self.magma_kernel:
             bounds, first = K.magma_chunks(lengths)
             self.magma_bounds = torch.tensor(bounds, dtype=torch.int64, **kw)
             self.magma_first = torch.tensor(first, dtype=torch.int64, **kw)
@@ -373,7 +394,7 @@ class GroupEngine:
         update = torch.lerp(grads, self.momentum, self.beta)
 
         factor = self.block_factor  # per block: Muon scale x Magma multiplier x -lr
-        if self.magma and self.fused:
+        if self.magma_kernel:
             self._kernels().magma_factors(
                 self.momentum,
                 grads,

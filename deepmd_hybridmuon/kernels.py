@@ -30,6 +30,9 @@ score and writes the block's factor.
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -141,7 +144,7 @@ def _polar_express_step(R, Q, eye, coef_ptr, k: tl.constexpr):
     return R, Q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_steps", "eps"])
 def _newton_schulz_kernel(
     src_ptr,
     dst_ptr,
@@ -274,26 +277,24 @@ def orthogonalize_blocks(
     use_gram
         Gram Newton–Schulz (rectangular matrices) instead of the standard iteration.
     """
-    bm = _block(rows)
-    keep = resident(rows, cols)
     _newton_schulz_kernel[(meta.size(0),)](
-        src,
-        dst,
-        work,
-        meta,
-        coefs,
-        scale,
-        coefs.size(0),
-        F.NS_EPS,
-        BM=bm,
-        BN=_block(cols) if keep else CHUNK,
-        GRAM=use_gram,
-        RESIDENT=keep,
-        num_warps=8 if bm >= 128 else 4,
+        src, dst, work, meta, coefs, scale, coefs.size(0), F.NS_EPS, **_ns_options(rows, cols, use_gram)
     )
 
 
-@triton.jit
+def _ns_options(rows: int, cols: int, use_gram: bool) -> dict[str, Any]:
+    """The compile-time options of a Newton–Schulz launch."""
+    bm, keep = _block(rows), resident(rows, cols)
+    return {
+        "BM": bm,
+        "BN": _block(cols) if keep else CHUNK,
+        "GRAM": use_gram,
+        "RESIDENT": keep,
+        "num_warps": 8 if bm >= 128 else 4,
+    }
+
+
+@triton.jit(do_not_specialize=["n_chunks"])
 def _magma_partial_kernel(mom_ptr, grad_ptr, bounds_ptr, partial_ptr, n_chunks, BLOCK: tl.constexpr):
     """Sums of m*g, m*m and g*g over one chunk (``bounds[i]:bounds[i + 1]``)."""
     i = tl.program_id(0)
@@ -315,7 +316,7 @@ def _magma_partial_kernel(mom_ptr, grad_ptr, bounds_ptr, partial_ptr, n_chunks, 
     tl.store(partial_ptr + 2 * n_chunks + i, tl.sum(gg))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])
 def _magma_finish_kernel(
     first_ptr,
     partial_ptr,
@@ -394,20 +395,83 @@ def magma_factors(
     """
     n_chunks = bounds.numel() - 1
     _magma_partial_kernel[(n_chunks,)](momentum, grad, bounds, partial, n_chunks, BLOCK=1024)
-    _magma_finish_kernel[(scores.numel(),)](
-        first,
-        partial,
-        n_chunks,
-        base,
-        scores,
-        out,
-        neg_lr,
-        ok,
-        BLOCK=128,
-        TAU=F.MAGMA_TAU,
-        LOW=F.MAGMA_SIGMOID_LOW,
-        HIGH=F.MAGMA_SIGMOID_HIGH,
-        DECAY=F.MAGMA_EMA_DECAY,
-        MIN_SCALE=F.MAGMA_MIN_SCALE,
-        EPS=F.MAGMA_EPS,
-    )
+    _magma_finish_kernel[(scores.numel(),)](first, partial, n_chunks, base, scores, out, neg_lr, ok, **_MAGMA_OPTIONS)
+
+
+_MAGMA_OPTIONS: dict[str, Any] = {
+    "BLOCK": 128,
+    "TAU": F.MAGMA_TAU,
+    "LOW": F.MAGMA_SIGMOID_LOW,
+    "HIGH": F.MAGMA_SIGMOID_HIGH,
+    "DECAY": F.MAGMA_EMA_DECAY,
+    "MIN_SCALE": F.MAGMA_MIN_SCALE,
+    "EPS": F.MAGMA_EPS,
+}
+
+# ---------------------------------------------------------------------------
+# Compilation off the training thread
+# ---------------------------------------------------------------------------
+#
+# Triton compiles a kernel variant the first time it is launched (about 2 s each) and
+# caches it on disk. So that a first run does not wait ~10 s in its first step, the engine
+# asks :func:`prepare` for the variants it needs; missing ones compile in a background
+# thread while the engine steps with the torch path, and the engine switches to the
+# kernels when they are ready (flat.py). Compiling with example tensors of the same dtypes
+# gives the same variants as the real launches: integer arguments are not specialised on.
+
+#: Compile in a background thread (tests switch this off to get the kernels at once).
+BACKGROUND_COMPILE: bool = True
+_ready: set[tuple[Any, ...]] = set()
+_lock = threading.Lock()
+
+
+def prepare(
+    device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]], magma: bool
+) -> threading.Event:
+    """Compile the variants for ``paths`` ((use_gram, rows, cols) per launch) and Magma.
+
+    Returns an event that is set once they are compiled: at once when they already
+    are, or when :data:`BACKGROUND_COMPILE` is off (they compile before returning).
+    """
+    keys = {("ns", device.index, dtype, *_ns_key(g, r, c)) for g, r, c in paths}
+    if magma:
+        keys.add(("magma", device.index, dtype))
+    event = threading.Event()
+    with _lock:
+        missing = keys - _ready
+    if not missing or device.type != "cuda":  # nothing to do; the interpreter does not compile
+        event.set()
+        return event
+
+    def work() -> None:
+        for key in sorted(missing, key=repr):
+            _compile(key, device)
+            with _lock:
+                _ready.add(key)
+        event.set()
+
+    if BACKGROUND_COMPILE:
+        threading.Thread(target=work, name="hybridmuon-triton-compile", daemon=True).start()
+    else:
+        work()
+    return event
+
+
+def _ns_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
+    options = _ns_options(rows, cols, use_gram)
+    return (options["BM"], options["BN"], use_gram, options["RESIDENT"])
+
+
+def _compile(key: tuple[Any, ...], device: torch.device) -> None:
+    kind, _, dtype = key[:3]
+    vec = torch.zeros(16, dtype=dtype, device=device)
+    f32 = torch.zeros(16, dtype=torch.float32, device=device)
+    i64 = torch.zeros(16, dtype=torch.int64, device=device)
+    if kind == "magma":
+        _magma_partial_kernel.warmup(vec, vec, i64, f32, 2, BLOCK=1024, grid=(1,))
+        _magma_finish_kernel.warmup(i64, f32, 2, f32, f32, f32, vec[0], f32[0], **_MAGMA_OPTIONS, grid=(1,))
+        return
+    bm, bn, use_gram, keep = key[3:]
+    work = torch.zeros(16, dtype=GRAM_WORK_DTYPE if use_gram else STANDARD_WORK_DTYPE, device=device)
+    options = {"BM": bm, "BN": bn, "GRAM": use_gram, "RESIDENT": keep, "num_warps": 8 if bm >= 128 else 4}
+    _newton_schulz_kernel.warmup(vec, vec, work, i64, f32, f32, 2, F.NS_EPS, **options, grid=(1,))

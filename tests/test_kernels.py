@@ -35,7 +35,10 @@ def kernels():
     if CUDA:
         from deepmd_hybridmuon import kernels as K
 
+        mp = pytest.MonkeyPatch()
+        mp.setattr(K, "BACKGROUND_COMPILE", False)  # the kernels from the first step on
         yield K, torch.device("cuda")
+        mp.undo()
         return
     if not INTERPRET:
         pytest.skip("no GPU: test_kernels_under_the_interpreter runs this module interpreted")
@@ -182,6 +185,24 @@ def test_engine_with_kernels_matches_the_loop(kernels, enable_gram, magma_muon, 
         err = ((fast[name] - r).norm() / r.norm()).item()
         # Same bound and reason as the Newton-Schulz kernel test above.
         assert err < 3e-2, (name, err)
+
+
+@pytest.mark.skipif(not CUDA, reason="Triton compiles only for a GPU")
+def test_first_steps_take_the_torch_path_while_triton_compiles(kernels, monkeypatch):
+    K, device = kernels
+    monkeypatch.setattr(K, "BACKGROUND_COMPILE", True)
+    monkeypatch.setattr(K, "_ready", set())  # as in a fresh process
+    _, opt = _train(device, True, torch.float32, steps=1)
+    engine = opt._engines[0]
+    assert engine.compiling is not None and not engine.fused_paths
+    assert engine.compiling.wait(300), "compilation did not finish"
+    gen = torch.Generator().manual_seed(5)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    opt.step()
+    rebuilt = opt._engines[0]
+    assert rebuilt is not engine and rebuilt.compiling is None and rebuilt.fused_paths
+    assert all(torch.isfinite(p).all() for p in opt.param_groups[0]["params"])
 
 
 @pytest.mark.skipif(CUDA or INTERPRET, reason="the kernels run directly here")
