@@ -92,20 +92,23 @@ def _store_chunk(base, value, rows, cols, m, n, s_r, s_c):
 
 
 @triton.jit
-def _apply_left(work, T, rows, cols, m, n, alpha, BM: tl.constexpr, BN: tl.constexpr):
-    """X <- alpha X + T X in place, chunk by chunk (T is m x m in X's dtype); returns the new X X^T.
-
-    The Gram matrix of the new X is accumulated from the rounded chunks as they are written,
-    which saves the next iteration a pass over X.
-    """
+def _gram(work, rows, cols, m, n, BM: tl.constexpr, BN: tl.constexpr):
+    """X X^T of the workspace matrix, float32 accumulation."""
     acc = tl.zeros((BM, BM), dtype=tl.float32)
     for c0 in range(0, n, BN):
         x = _load_chunk(work, rows, c0 + cols, m, n, n, 1)
-        y = tl.dot(T, x, alpha * x.to(tl.float32)).to(x.dtype)
-        _store_chunk(work, y, rows, c0 + cols, m, n, n, 1)
-        acc = tl.dot(y, tl.trans(y), acc)
-    tl.debug_barrier()
+        acc = tl.dot(x, tl.trans(x), acc)
     return acc
+
+
+@triton.jit
+def _apply_left(work, T, rows, cols, m, n, alpha, BN: tl.constexpr):
+    """X <- alpha X + T X in place, chunk by chunk (T is m x m, already in X's dtype)."""
+    for c0 in range(0, n, BN):
+        x = _load_chunk(work, rows, c0 + cols, m, n, n, 1)
+        y = tl.dot(T, x, alpha * x.to(tl.float32))
+        _store_chunk(work, y.to(x.dtype), rows, c0 + cols, m, n, n, 1)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -198,42 +201,35 @@ def _newton_schulz_kernel(
             Y = X.to(tl.float32)
         _store_chunk(dst, (Y * scale).to(dst_ptr.dtype.element_ty), rows, cols, m, n, s_r, s_c)
     else:
-        # X0 = G / ||G||_F in the workspace (wide orientation, row-major, row stride n),
-        # and its Gram matrix from the rounded chunks.
+        # X0 = G / ||G||_F in the workspace (wide orientation, row-major, row stride n).
         sq = tl.zeros((BM, BN), dtype=tl.float32)
         for c0 in range(0, n, BN):
             g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
             sq += g * g
         inv = _inverse_norm(tl.sum(sq), eps, GRAM)
-        acc = tl.zeros((BM, BM), dtype=tl.float32)
         for c0 in range(0, n, BN):
-            x = (_load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32) * inv).to(wdtype)
-            _store_chunk(work, x, rows, c0 + cols, m, n, n, 1)
-            acc = tl.dot(x, tl.trans(x), acc)
+            g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
+            _store_chunk(work, (g * inv).to(wdtype), rows, c0 + cols, m, n, n, 1)
         tl.debug_barrier()
         if GRAM:
-            R = acc.to(wdtype)
+            R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
             Q = eye.to(wdtype)
             for k in tl.static_range(5):
                 if k == 2:  # restart: re-form X and its Gram matrix
-                    R = _apply_left(work, Q, rows, cols, m, n, 0.0, BM, BN).to(wdtype)
+                    _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
+                    R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
                 R, Q = _polar_express_step(R, Q, eye, coef_ptr, k)
-            T = Q
-            alpha = 0.0
+            _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
         else:
-            A = acc.to(wdtype)
-            for k in range(n_steps - 1):
-                B = _quintic_polynomial(A, coef_ptr, k)
+            for k in range(n_steps):
+                a = tl.load(coef_ptr + 3 * k)
+                B = _quintic_polynomial(_gram(work, rows, cols, m, n, BM, BN).to(wdtype), coef_ptr, k)
                 tl.debug_barrier()
-                A = _apply_left(work, B, rows, cols, m, n, tl.load(coef_ptr + 3 * k), BM, BN).to(wdtype)
-            T = _quintic_polynomial(A, coef_ptr, n_steps - 1)
-            alpha = tl.load(coef_ptr + 3 * (n_steps - 1))
-        # The last product straight to the output: out = scale * (alpha X + T X), in the
-        # source layout and the output's dtype.
+                _apply_left(work, B, rows, cols, m, n, a, BN)
+        # out = scale * X in the source layout and the output's dtype.
         for c0 in range(0, n, BN):
-            x = _load_chunk(work, rows, c0 + cols, m, n, n, 1)
-            y = tl.dot(T, x, alpha * x.to(tl.float32)).to(wdtype).to(tl.float32)
-            _store_chunk(dst, (y * scale).to(dst_ptr.dtype.element_ty), rows, c0 + cols, m, n, s_r, s_c)
+            x = _load_chunk(work, rows, c0 + cols, m, n, n, 1).to(tl.float32)
+            _store_chunk(dst, (x * scale).to(dst_ptr.dtype.element_ty), rows, c0 + cols, m, n, s_r, s_c)
 
 
 def resident(rows: int, cols: int) -> bool:
