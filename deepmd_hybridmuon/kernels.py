@@ -418,6 +418,7 @@ _MAGMA_OPTIONS: dict[str, Any] = {
 #: Compile in a background thread (tests switch this off to get the kernels at once).
 BACKGROUND_COMPILE: bool = True
 _ready: set[tuple[Any, ...]] = set()
+_pending: list[threading.Event] = []
 _lock = threading.Lock()
 
 
@@ -447,10 +448,19 @@ def prepare(
         event.set()
 
     if BACKGROUND_COMPILE:
+        with _lock:
+            _pending[:] = [e for e in _pending if not e.is_set()] + [event]
         threading.Thread(target=work, name="hybridmuon-triton-compile", daemon=True).start()
     else:
         work()
     return event
+
+
+def wait_ready(timeout: float | None = None) -> bool:
+    """Wait for background compilations started by :func:`prepare`; ``False`` on timeout."""
+    with _lock:
+        pending = list(_pending)
+    return all(event.wait(timeout) for event in pending)
 
 
 def _ns_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
