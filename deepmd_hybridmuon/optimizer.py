@@ -201,7 +201,8 @@ class HybridMuonOptimizer(Optimizer):
 
     Implementations: the per-parameter loop in this class is the specification; the flat
     engine (:mod:`deepmd_hybridmuon.flat`, default) computes the same step in batched
-    kernels and is tested against it.
+    kernels, with Triton kernels (:mod:`deepmd_hybridmuon.kernels`) on CUDA, and is tested
+    against it.
 
     Parameters
     ----------
@@ -227,8 +228,9 @@ class HybridMuonOptimizer(Optimizer):
     enable_gram
         Gram Newton–Schulz for rectangular matrices.
     flash_muon
-        Accepted for compatibility (deepmd-kit's Triton switch); this release has no Triton
-        kernel and the flag changes nothing.
+        Triton kernels (:mod:`deepmd_hybridmuon.kernels`) for the flat engine on CUDA: one
+        launch orthogonalises every Muon matrix with a smaller side <= 128, one computes
+        Magma; compiled in the background on first use. ``False``: batched torch kernels.
     magma_muon
         Magma-lite damping of Muon updates.
     use_foreach

@@ -146,10 +146,11 @@ def hybrid_muon_arguments() -> list[Argument]:
             bool,
             optional=True,
             default=True,
-            doc="Accepted for compatibility with deepmd-kit 3.2.0, where it selects a Triton kernel (with "
-            "enable_gram off, for a matrix whose smaller side is 1024 or more). This release has no Triton "
-            "kernel: the flat engine (batched, "
-            "CUDA-graphed) runs every matrix; the flag changes nothing.",
+            doc="Triton kernels on CUDA: one launch orthogonalises every Muon matrix whose smaller side is at "
+            "most 128 (in registers, or streamed for long matrices), one more computes Magma for all blocks. "
+            "They compile in the background on first use (the torch path runs meanwhile) and are cached by "
+            "Triton. Off, or without Triton or a GPU: batched torch kernels for every matrix. (In deepmd-kit "
+            "3.2.0 the flag selects a Triton kernel for matrices with a side of 1024 or more.)",
         ),
         Argument(
             "magma_muon",
