@@ -85,7 +85,27 @@ def graph_split(named: list, kw: dict) -> str:
             end.synchronize()
             replay.append(start.elapsed_time(end))
     replay_ms = f"{statistics.median(replay):.3f}" if replay else "n/a (no graph)"
-    return f"graph on: host time of step() {statistics.median(host[10:]):.3f} ms, one replay {replay_ms} ms (GPU)\n"
+    line = f"graph on: host time of step() {statistics.median(host[10:]):.3f} ms, one replay {replay_ms} ms (GPU)"
+    engine, group = opt._engines.get(0), opt.param_groups[0]
+    if engine is None or engine.graph is None:
+        return line + "\n"
+    parts: dict[str, list[float]] = {"signature": [], "stage": [], "replay (host)": []}
+    for _ in range(30):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        type(engine).signature_of(opt, group)
+        t1 = time.perf_counter()
+        engine._stage(group)
+        t2 = time.perf_counter()
+        engine.graph.replay()
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            parts[key].append(dt * 1e3)
+    split = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in parts.items())
+    return f"{line}\n  host parts (ms): {split}\n"
 
 
 if __name__ == "__main__":

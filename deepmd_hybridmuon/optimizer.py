@@ -7,6 +7,7 @@ deepmd-kit 3.2.0's built-in optimizer, and checks every user input.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -17,6 +18,9 @@ from torch.optim.optimizer import Optimizer
 from . import functional as F
 from .flat import GroupEngine
 from .flat import is_dtensor as _is_dtensor
+
+#: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
+log = logging.getLogger("deepmd.hybridmuon")
 
 __all__ = ["HybridMuonOptimizer", "check_number"]
 
@@ -291,6 +295,7 @@ class HybridMuonOptimizer(Optimizer):
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
         self._engines: dict[int, GroupEngine] = {}
+        self._said_loop = False  # logged that the engine handed a step to the loop
         super().__init__(params, defaults)
         if named_parameters is not None:
             self.set_param_names(named_parameters)
@@ -425,6 +430,12 @@ class HybridMuonOptimizer(Optimizer):
         for index, group in enumerate(self.param_groups):
             engine = self._engine(index, group)
             if engine is None or not engine.step(self, group):
+                if engine is not None and not getattr(self, "_said_loop", False):
+                    self._said_loop = True
+                    log.info(
+                        "flat engine: Adam-routed parameters are at different step counts (some had no "
+                        "gradient in earlier steps); the per-parameter loop runs such steps"
+                    )
                 self._step_group(group)
         return loss
 
@@ -443,7 +454,12 @@ class HybridMuonOptimizer(Optimizer):
             return engine
         if not GroupEngine.supports(group):
             return None
+        kernels_ready = engine is not None and engine.outdated
         engine = self._engines[index] = GroupEngine(self, group)
+        if engine.compiling is not None:
+            log.info("flat engine: Triton kernels compile in the background; torch kernels until then")
+        elif kernels_ready:
+            log.info("flat engine: Triton kernels ready, now in use")
         return engine
 
     def _step_group(self, group: dict[str, Any]) -> None:
