@@ -115,7 +115,9 @@ class GroupEngine:
     """Flat buffers and index maps of one param_group; built by the optimizer."""
 
     def __init__(self, optimizer: Any, group: dict[str, Any]) -> None:
-        params = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
+        self.group_params = list(group["params"])
+        params = [p for p in self.group_params if p.numel() > 0 and p.grad is not None]
+        self.gradless = [p for p in self.group_params if p.numel() > 0 and p.grad is None]
         self.signature = self.signature_of(optimizer, group)
         dev, dtype = params[0].device, params[0].dtype
         self.device, self.dtype = dev, dtype
@@ -127,6 +129,12 @@ class GroupEngine:
         self.beta = float(group["momentum"])
         self.weight_decay = float(group["weight_decay"]) > 0
         self.scalars = torch.zeros(5, dtype=torch.float64, device=dev)
+        # Host side of the scalars: a ring of pinned buffers, each reused once the copy
+        # that last read it has run (its event), so a step allocates nothing.
+        pinned = dev.type == "cuda"
+        self.host_scalars = [torch.zeros(5, dtype=torch.float64, device="cpu", pin_memory=pinned) for _ in range(4)]
+        self.host_events = [torch.cuda.Event() if pinned else None for _ in self.host_scalars]
+        self.host_turn = 0
         self.fused = bool(optimizer.flash_muon) and triton_runs_on(dev)
         self._build_adam(optimizer.state)
         self._build_muon(optimizer.state, group)
@@ -139,7 +147,6 @@ class GroupEngine:
     def signature_of(optimizer: Any, group: dict[str, Any]) -> tuple[Any, ...]:
         """What the engine depends on; a change forces a rebuild."""
         return (
-            tuple(id(p) if p.grad is not None else 0 for p in group["params"]),
             optimizer._names_version,
             optimizer._state_version,
             optimizer.flash_muon,
@@ -153,6 +160,22 @@ class GroupEngine:
             float(group["momentum"]),
             float(group["weight_decay"]) > 0,
         )
+
+    def matches(self, group: dict[str, Any]) -> bool:
+        """The same parameters as at build, with gradients on exactly the same ones.
+
+        Also takes this step's gradient tensors (fresh ones each step) for the copies.
+        """
+        params = group["params"]
+        if len(params) != len(self.group_params) or any(
+            a is not b for a, b in zip(params, self.group_params, strict=True)
+        ):
+            return False
+        self.adam_grads = [p.grad for p in self.adam]
+        self.muon_grads = [p.grad for p, _ in self.muon]
+        if any(g is None for g in self.adam_grads) or any(g is None for g in self.muon_grads):
+            return False
+        return all(p.grad is None for p in self.gradless)
 
     @property
     def outdated(self) -> bool:
@@ -197,6 +220,11 @@ class GroupEngine:
             state[p]["beta1_pow"] = 1.0
             state[p]["beta2_pow"] = 1.0
         self.adam_states = [state[p] for p in self.adam]  # a new state dict bumps _state_version
+        # One pair of bias corrections serves all: the engine needs the Adam parameters at
+        # one step count, and keeps them there (it steps them all together).
+        pows = {(st["beta1_pow"], st["beta2_pow"]) for st in self.adam_states}
+        self.adam_uniform = len(pows) <= 1
+        self.adam_grads = [p.grad for p in self.adam]
 
     def _build_muon(self, state: dict, group: dict[str, Any]) -> None:
         params = [p for p, _ in self.muon]
@@ -208,6 +236,7 @@ class GroupEngine:
         self.muon_grad = torch.zeros(n, dtype=self.dtype, **kw)
         self.muon_delta_views = _split_views(self.muon_delta, params)
         self.muon_grad_views = _split_views(self.muon_grad, params)
+        self.muon_grads = [p.grad for p in params]
 
         # Blocks (one per matrix of each view) and their per-block Muon scale.
         lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
@@ -314,10 +343,8 @@ class GroupEngine:
         The engine shares one pair of Adam bias corrections; when Adam parameters are at
         different step counts (some once had no gradient) the loop runs instead.
         """
-        if self.adam:
-            first = self.adam_states[0]["beta1_pow"]
-            if any(st["beta1_pow"] != first for st in self.adam_states):
-                return False
+        if not self.adam_uniform:
+            return False
         self._stage(group)
         if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP:
             self._capture()
@@ -336,20 +363,23 @@ class GroupEngine:
         step_size = bc2 = 1.0
         if self.adam:
             beta1, beta2 = self.betas
-            for st in self.adam_states:
-                st["beta1_pow"] *= beta1
-                st["beta2_pow"] *= beta2
             s0 = self.adam_states[0]
-            step_size = adam_lr / (1.0 - s0["beta1_pow"])
-            bc2 = 1.0 - s0["beta2_pow"]
-            torch._foreach_copy_(self.adam_grad_views, [p.grad for p in self.adam])
+            pow1, pow2 = s0["beta1_pow"] * beta1, s0["beta2_pow"] * beta2
+            for st in self.adam_states:
+                st["beta1_pow"], st["beta2_pow"] = pow1, pow2
+            step_size = adam_lr / (1.0 - pow1)
+            bc2 = 1.0 - pow2
+            torch._foreach_copy_(self.adam_grad_views, self.adam_grads)
         if self.muon:
-            torch._foreach_copy_(self.muon_grad_views, [p.grad for p, _ in self.muon])
-        values = [1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2]
-        host = torch.tensor(values, dtype=torch.float64, device="cpu")  # deepmd sets a CUDA default device
-        if self.device.type == "cuda":
-            host = host.pin_memory()  # the caching host allocator keeps it alive until copied
-        self.scalars.copy_(host, non_blocking=True)
+            torch._foreach_copy_(self.muon_grad_views, self.muon_grads)
+        turn = self.host_turn = (self.host_turn + 1) % len(self.host_scalars)
+        host, event = self.host_scalars[turn], self.host_events[turn]
+        if event is not None:
+            event.synchronize()  # the copy that last read this buffer has run (at once, in practice)
+        host.numpy()[:] = (1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2)
+        self.scalars.copy_(host, non_blocking=event is not None)
+        if event is not None:
+            event.record()
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()

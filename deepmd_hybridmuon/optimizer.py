@@ -450,7 +450,12 @@ class HybridMuonOptimizer(Optimizer):
         if not self.batched:
             return None
         engine = self._engines.get(index)
-        if engine is not None and engine.signature == GroupEngine.signature_of(self, group) and not engine.outdated:
+        if (
+            engine is not None
+            and engine.signature == GroupEngine.signature_of(self, group)
+            and engine.matches(group)
+            and not engine.outdated
+        ):
             return engine
         if not GroupEngine.supports(group):
             return None
