@@ -182,7 +182,9 @@ def clone_named(named: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, 
 def seeded_grads(params: list[torch.Tensor], step: int, seed: int = 1234) -> list[torch.Tensor]:
     """Deterministic random gradients for ``params`` at ``step`` (same call -> same tensors)."""
     gen = torch.Generator().manual_seed(seed + 7919 * step)
-    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params]
+    # drawn on the CPU (the same numbers everywhere), then on the parameter's device: on a
+    # GPU machine deepmd builds its models on CUDA
+    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype).to(p.device) for p in params]
 
 
 def set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
