@@ -91,6 +91,13 @@ class _Fused:
     table: torch.Tensor | None = None
     work: torch.Tensor | None = None
     coefs: torch.Tensor | None = None
+    # the panel path of long matrices (kernels.orthogonalize_panels) and its workspaces
+    panelled: bool = False
+    panels: torch.Tensor | None = None
+    first: torch.Tensor | None = None
+    partial: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    inv: torch.Tensor | None = None
 
 
 #: Eager steps before a CUDA graph of the step is captured (lets cuBLAS and the caching
@@ -302,6 +309,15 @@ class GroupEngine:
             size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
             f.work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if f.use_gram else K.STANDARD_WORK_DTYPE, **kw)
             f.coefs = K.coefficient_table(f.use_gram, self.device)
+            f.panelled = K.panelled(f.use_gram, f.rows, f.cols)
+            if f.panelled:
+                panels, first = K.panel_table(f.meta)
+                bm = K.panel_block(f.rows)
+                f.panels = torch.tensor(panels, dtype=torch.int64, **kw)
+                f.first = torch.tensor(first, dtype=torch.int64, **kw)
+                f.partial = torch.zeros(len(panels), bm, bm, dtype=torch.float32, **kw)
+                f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
+                f.inv = torch.zeros(len(f.meta), dtype=torch.float32, **kw)
         self.fused_paths = list(fused.values())
         self.magma_kernel = K is not None and self.magma
         if self.magma_kernel:
@@ -471,10 +487,17 @@ class GroupEngine:
                 out = F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack)
                 out = out.to(self.dtype) * factor.index_select(0, b.block_ids).to(self.dtype).view(-1, 1, 1)
                 self.muon_delta.index_copy_(0, b.src, out.reshape(-1).index_select(0, b.dst))
+        K = self._kernels() if self.fused_paths else None
         for f in self.fused_paths:
-            self._kernels().orthogonalize_blocks(
-                update, self.muon_delta, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram
-            )
+            if f.panelled:
+                K.orthogonalize_panels(
+                    update, self.muon_delta, f.work, f.table, f.panels, f.first, f.partial, f.q, f.inv, f.coefs,
+                    factor, f.rows,
+                )  # fmt: skip
+            else:
+                K.orthogonalize_blocks(
+                    update, self.muon_delta, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram
+                )
         if main is not None:
             for side in streams:
                 main.wait_stream(side)

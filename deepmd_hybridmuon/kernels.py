@@ -290,6 +290,168 @@ def _ns_options(rows: int, cols: int, use_gram: bool) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------
+# Gram Newton–Schulz of long matrices, in column panels
+# ---------------------------------------------------------------------------
+#
+# A long matrix (smaller side <= MAX_ROWS, not resident) in one program streams m x n
+# through one SM several times. Split into panels of PANEL columns instead, every pass
+# over X is spread over many programs, and the m x m work between passes is one program
+# per matrix: five launches in all.
+#
+#   1. per panel:  S_p = G_p G_p^T (float32)                      -> partial[p]
+#   2. per matrix: ||G||^2 = trace(sum_p S_p), R = S / ||G||^2; iterations 0-1 -> Q
+#   3. per panel:  X0_p = fp16(G_p / ||G||), X1_p = Q X0_p -> work; X1_p X1_p^T -> partial[p]
+#   4. per matrix: R = sum_p; iterations 2-4 (the restart)      -> Q
+#   5. per panel:  out_p = factor * Q X1_p                       -> dst
+#
+# The reference forms R from the rounded X0; here it comes from G in float32 products
+# (TF32 on the tensor cores), a rounding of the same size.
+
+#: Columns per panel of the long-matrix Gram path.
+PANEL: int = 64
+#: Integers per panel in the panel table: the matrix's row in the metadata table, first column.
+PANEL_COLS: int = 2
+
+
+@triton.jit
+def _matrix_meta(meta_ptr, i):
+    meta = meta_ptr + i * 8
+    return (
+        tl.load(meta),
+        tl.load(meta + 1),
+        tl.load(meta + 2),
+        tl.load(meta + 3),
+        tl.load(meta + 4),
+        tl.load(meta + 5),
+        tl.load(meta + 6),
+    )
+
+
+@triton.jit
+def _panel_gram_kernel(src_ptr, meta_ptr, panel_ptr, partial_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    p = tl.program_id(0)
+    i = tl.load(panel_ptr + 2 * p)
+    c0 = tl.load(panel_ptr + 2 * p + 1)
+    src_off, _, m, n, s_r, s_c, _ = _matrix_meta(meta_ptr, i)
+    rows = tl.arange(0, BM)
+    g = _load_chunk(src_ptr + src_off, rows, c0 + tl.arange(0, BN), m, n, s_r, s_c).to(tl.float32)
+    S = tl.dot(g, tl.trans(g))
+    tl.store(partial_ptr + p * BM * BM + rows[:, None] * BM + rows[None, :], S)
+
+
+@triton.jit
+def _panel_reduce_kernel(
+    first_ptr, partial_ptr, q_ptr, inv_ptr, coef_ptr, eps, BM: tl.constexpr, RESTART: tl.constexpr
+):
+    i = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    tile = rows[:, None] * BM + rows[None, :]
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for p in range(tl.load(first_ptr + i), tl.load(first_ptr + i + 1)):
+        acc += tl.load(partial_ptr + p * BM * BM + tile)
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    Q = eye.to(tl.float16)
+    if RESTART:
+        R = acc.to(tl.float16)
+        for k in tl.static_range(2, 5):
+            R, Q = _polar_express_step(R, Q, eye, coef_ptr, k)
+    else:
+        inv = 1.0 / (tl.sqrt(tl.sum(acc * eye)) + eps)  # ||G|| = sqrt(trace(G G^T))
+        tl.store(inv_ptr + i, inv)
+        R = (acc * inv * inv).to(tl.float16)
+        for k in tl.static_range(2):
+            R, Q = _polar_express_step(R, Q, eye, coef_ptr, k)
+    tl.store(q_ptr + i * BM * BM + tile, Q)
+
+
+@triton.jit
+def _panel_apply_kernel(
+    src_ptr,
+    work_ptr,
+    dst_ptr,
+    meta_ptr,
+    panel_ptr,
+    q_ptr,
+    inv_ptr,
+    partial_ptr,
+    scale_ptr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    FINAL: tl.constexpr,
+):
+    p = tl.program_id(0)
+    i = tl.load(panel_ptr + 2 * p)
+    c0 = tl.load(panel_ptr + 2 * p + 1)
+    src_off, work_off, m, n, s_r, s_c, block = _matrix_meta(meta_ptr, i)
+    rows = tl.arange(0, BM)
+    cols = c0 + tl.arange(0, BN)
+    Q = tl.load(q_ptr + i * BM * BM + rows[:, None] * BM + rows[None, :])
+    work = work_ptr + work_off
+    if FINAL:
+        x = _load_chunk(work, rows, cols, m, n, n, 1)
+        y = tl.dot(Q, x).to(tl.float16).to(tl.float32) * tl.load(scale_ptr + block)
+        _store_chunk(dst_ptr + src_off, y.to(dst_ptr.dtype.element_ty), rows, cols, m, n, s_r, s_c)
+    else:
+        g = _load_chunk(src_ptr + src_off, rows, cols, m, n, s_r, s_c).to(tl.float32)
+        x = (g * tl.load(inv_ptr + i)).to(tl.float16)
+        y = tl.dot(Q, x).to(tl.float16)
+        _store_chunk(work, y, rows, cols, m, n, n, 1)
+        S = tl.dot(y, tl.trans(y))
+        tl.store(partial_ptr + p * BM * BM + rows[:, None] * BM + rows[None, :], S)
+
+
+def panel_table(meta: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Panels of the matrices of a metadata table, and each matrix's first panel.
+
+    Returns ``panels`` (``[matrix row, first column]`` each) and ``first`` (matrices + 1).
+    """
+    panels, first = [], [0]
+    for i, row in enumerate(meta):
+        panels += [[i, c0] for c0 in range(0, row[3], PANEL)]
+        first.append(len(panels))
+    return panels, first
+
+
+def orthogonalize_panels(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    work: torch.Tensor,
+    meta: torch.Tensor,
+    panels: torch.Tensor,
+    first: torch.Tensor,
+    partial: torch.Tensor,
+    q: torch.Tensor,
+    inv: torch.Tensor,
+    coefs: torch.Tensor,
+    scale: torch.Tensor,
+    rows: int,
+) -> None:
+    """Gram Newton–Schulz of long matrices in five launches (see the section comment).
+
+    ``meta`` as for :func:`orthogonalize_blocks`; ``panels`` and ``first`` from
+    :func:`panel_table`; workspaces: ``partial`` float32 ``(panels, BM, BM)``, ``q``
+    float16 ``(matrices, BM, BM)``, ``inv`` float32 ``(matrices,)``, ``work`` float16 with
+    room for every matrix; ``BM = panel_block(rows)``.
+    """
+    bm = panel_block(rows)
+    n_panels, n_matrices = panels.size(0), meta.size(0)
+    warps = 8 if bm >= 128 else 4
+    _panel_gram_kernel[(n_panels,)](src, meta, panels, partial, BM=bm, BN=PANEL, num_warps=warps)
+    for restart in (False, True):
+        _panel_reduce_kernel[(n_matrices,)](
+            first, partial, q, inv, coefs, F.NS_EPS, BM=bm, RESTART=restart, num_warps=warps
+        )
+        _panel_apply_kernel[(n_panels,)](
+            src, work, dst, meta, panels, q, inv, partial, scale, BM=bm, BN=PANEL, FINAL=restart, num_warps=warps
+        )
+
+
+def panel_block(rows: int) -> int:
+    """The padded ``m x m`` size of the panel kernels."""
+    return _block(rows)
+
+
 @triton.jit(do_not_specialize=["n_chunks"])
 def _magma_partial_kernel(mom_ptr, grad_ptr, bounds_ptr, partial_ptr, n_chunks, BLOCK: tl.constexpr):
     """Sums of m*g, m*m and g*g over one chunk (``bounds[i]:bounds[i + 1]``)."""
@@ -430,7 +592,7 @@ def prepare(
     Returns an event that is set once they are compiled: at once when they already
     are, or when :data:`BACKGROUND_COMPILE` is off (they compile before returning).
     """
-    keys = {("ns", device.index, dtype, *_ns_key(g, r, c)) for g, r, c in paths}
+    keys = {(*_launch_key(g, r, c), device.index, dtype) for g, r, c in paths}
     if magma:
         keys.add(("magma", device.index, dtype))
     event = threading.Event()
@@ -463,21 +625,39 @@ def wait_ready(timeout: float | None = None) -> bool:
     return all(event.wait(timeout) for event in pending)
 
 
-def _ns_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
+def panelled(use_gram: bool, rows: int, cols: int) -> bool:
+    """Whether a launch group takes the panel path (:func:`orthogonalize_panels`)."""
+    return use_gram and not resident(rows, cols)
+
+
+def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
+    if panelled(use_gram, rows, cols):
+        return ("panel", panel_block(rows))
     options = _ns_options(rows, cols, use_gram)
-    return (options["BM"], options["BN"], use_gram, options["RESIDENT"])
+    return ("ns", options["BM"], options["BN"], use_gram, options["RESIDENT"])
 
 
 def _compile(key: tuple[Any, ...], device: torch.device) -> None:
-    kind, _, dtype = key[:3]
+    kind, dtype = key[0], key[-1]
     vec = torch.zeros(16, dtype=dtype, device=device)
     f32 = torch.zeros(16, dtype=torch.float32, device=device)
+    f16 = torch.zeros(16, dtype=torch.float16, device=device)
     i64 = torch.zeros(16, dtype=torch.int64, device=device)
     if kind == "magma":
         _magma_partial_kernel.warmup(vec, vec, i64, f32, 2, BLOCK=1024, grid=(1,))
         _magma_finish_kernel.warmup(i64, f32, 2, f32, f32, f32, vec[0], f32[0], **_MAGMA_OPTIONS, grid=(1,))
-        return
-    bm, bn, use_gram, keep = key[3:]
-    work = torch.zeros(16, dtype=GRAM_WORK_DTYPE if use_gram else STANDARD_WORK_DTYPE, device=device)
-    options = {"BM": bm, "BN": bn, "GRAM": use_gram, "RESIDENT": keep, "num_warps": 8 if bm >= 128 else 4}
-    _newton_schulz_kernel.warmup(vec, vec, work, i64, f32, f32, 2, F.NS_EPS, **options, grid=(1,))
+    elif kind == "panel":
+        bm = key[1]
+        warps = 8 if bm >= 128 else 4
+        _panel_gram_kernel.warmup(vec, i64, i64, f32, BM=bm, BN=PANEL, num_warps=warps, grid=(1,))
+        for restart in (False, True):
+            _panel_reduce_kernel.warmup(
+                i64, f32, f16, f32, f32, F.NS_EPS, BM=bm, RESTART=restart, num_warps=warps, grid=(1,)
+            )
+            args = (vec, f16, vec, i64, i64, f16, f32, f32, f32)
+            _panel_apply_kernel.warmup(*args, BM=bm, BN=PANEL, FINAL=restart, num_warps=warps, grid=(1,))
+    else:
+        bm, bn, use_gram, keep = key[1:5]
+        work = torch.zeros(16, dtype=GRAM_WORK_DTYPE if use_gram else STANDARD_WORK_DTYPE, device=device)
+        options = {"BM": bm, "BN": bn, "GRAM": use_gram, "RESIDENT": keep, "num_warps": 8 if bm >= 128 else 4}
+        _newton_schulz_kernel.warmup(vec, vec, work, i64, f32, f32, 2, F.NS_EPS, **options, grid=(1,))
