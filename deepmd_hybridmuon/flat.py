@@ -5,20 +5,24 @@ launches, not arithmetic. The engine keeps the per-parameter state as views of a
 flat buffers (so ``state[p]["momentum_buffer"]`` etc. stay ordinary tensors in the
 built-in layout) and runs every elementwise rule once over a whole route:
 
-* Adam/AdamW: one gradient ``cat``, four flat moment/denominator kernels, one
-  ``_foreach_add_`` into the parameters;
-* Muon: one gradient ``cat``, flat momentum, then the Nesterov updates are scattered
-  (one index copy per bucket) into zero-padded ``(batch, M, N)`` stacks in wide
-  orientation and orthogonalised in one call per bucket; Magma-lite's per-matrix sums use
-  the same padded layout (one row per matrix). Zero padding commutes with both Newton–Schulz
-  variants in exact arithmetic (zero rows and columns stay zero; the Gram matrix of the
-  real rows is unchanged), so only rounding differs from the loop.
+* Adam/AdamW: one ``_foreach_copy_`` of the gradients into a flat buffer, a few flat
+  moment/denominator kernels, one ``_foreach_add_`` into the parameters;
+* Muon: the same gradient copy, flat momentum and Nesterov update, then per matrix a
+  factor (Muon scale x Magma x -lr) and the orthogonalised update times that factor:
+  - with ``flash_muon`` on CUDA, matrices whose smaller side is at most
+    ``kernels.MAX_ROWS`` go to the Triton kernels of ``kernels.py`` (one launch per
+    path, five for long matrices; Magma in two launches);
+  - the others are scattered (one index copy per bucket) into zero-padded
+    ``(batch, M, N)`` stacks in wide orientation and orthogonalised by the torch
+    functions of ``functional.py``, one call per bucket. Zero padding commutes with both
+    Newton–Schulz variants in exact arithmetic (zero rows and columns stay zero; the Gram
+    matrix of the real rows is unchanged), so only rounding differs from the loop.
 
-On CUDA the arithmetic is captured once as a CUDA graph and replayed (see ``step``); the
-learning-rate dependent scalars live in a device tensor. No host synchronisation happens
-inside a step. The engine is rebuilt whenever what it was built from changes (parameters
-with gradients, names, routing options, a loaded state dict). Per DPA-3 step that is about
-160 kernels, whatever the number of parameters (BENCHMARKS.md).
+On CUDA the arithmetic is captured once as a CUDA graph and replayed (see ``step``), each
+torch bucket on a stream of its own; the learning-rate dependent scalars live in a device
+tensor. No host synchronisation happens inside a step. The engine is rebuilt whenever what
+it was built from changes (parameters with gradients, names, routing options, a loaded
+state dict, the Triton kernels becoming ready).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triton kernels of the flat engine: Newton–Schulz and Magma in one launch each.
+"""Triton kernels of the flat engine: Newton–Schulz and Magma in a few launches per step.
 
 The flat engine (``flat.py``) uses this module when ``flash_muon`` is on and Triton can run
 (CUDA, or Triton's CPU interpreter under ``TRITON_INTERPRET=1``). The per-tensor loop in
@@ -21,11 +21,13 @@ Precision follows the reference functions: bfloat16 operands with float32 accumu
 for the standard iteration, float16 for the Gram iteration, normalisation in float32.
 The summation order of the products differs from cuBLAS, so results agree with the
 torch path to rounding. Programs of one launch share no memory and never synchronise,
-so a launch takes as long as its largest matrix, not the sum over matrices.
+so a launch takes as long as its largest matrix, not the sum over matrices. Long matrices
+of the Gram path, which one program would stream through one SM several times, are split
+into column panels instead (:func:`orthogonalize_panels`, five launches).
 
-Magma (:func:`magma_factors`): one program per block sums m*g, m*m and g*g over the block's
-contiguous range of the flat vectors (a fixed order: deterministic), updates the block's
-score and writes the block's factor.
+Magma (:func:`magma_factors`): one program per chunk sums m*g, m*m and g*g over its range
+of the flat vectors, then one program per block adds its chunks in order (deterministic),
+updates the block's score and writes the block's factor.
 """
 
 from __future__ import annotations
