@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,16 @@ def is_dtensor(t: object) -> bool:
     except ImportError:  # a torch built without distributed
         return False
     return isinstance(t, DTensor)
+
+
+def _compiling() -> bool:
+    """Whether Triton kernels are compiling in the background (kernels.prepare).
+
+    A graph is not captured meanwhile: the compiling thread loads modules and allocates,
+    which CUDA forbids during a capture. The eager step runs instead.
+    """
+    kernels = sys.modules.get(f"{__package__}.kernels")
+    return kernels is not None and not kernels.wait_ready(0)
 
 
 def _split_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -366,7 +377,7 @@ class GroupEngine:
         if not self.adam_uniform:
             return False
         self._stage(group)
-        if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP:
+        if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP and not _compiling():
             self._capture()
         if self.graph is not None:
             self.graph.replay()
