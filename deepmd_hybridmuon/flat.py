@@ -44,13 +44,15 @@ __all__ = ["GroupEngine", "bucket_key", "is_dtensor", "triton_runs_on"]
 def triton_runs_on(device: torch.device) -> bool:
     """Whether the Triton kernels of ``kernels.py`` can run on ``device``.
 
-    On CUDA when Triton is installed; on the CPU only under Triton's interpreter
+    On CUDA (compute capability 8.0 or newer) when Triton is installed; on the CPU only under Triton's interpreter
     (``TRITON_INTERPRET=1``, used by the tests to run the kernels without a GPU).
     """
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     if device.type not in ("cuda", "cpu"):
         return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return False  # bfloat16 tensor-core products need compute capability 8.0 (A100) or newer
     try:
         from . import kernels  # noqa: F401  (imports triton)
     except ImportError:
@@ -294,7 +296,9 @@ class GroupEngine:
                     _, r, c = launches.get((gram, K.resident(small, large)), (gram, 0, 0))
                     launches[(gram, K.resident(small, large))] = (gram, max(r, small), max(c, large))
             ready = K.prepare(self.device, self.dtype, list(launches.values()), self.magma)
-            if not ready.is_set():
+            if ready is None:  # a kernel failed to compile: the torch path
+                K = None
+            elif not ready.is_set():
                 self.compiling, K = ready, None
         fused: dict[tuple[bool, bool], _Fused] = {}
         buckets: dict[tuple[bool, int], _Bucket] = {}

@@ -32,6 +32,7 @@ updates the block's score and writes the block's factor.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -40,6 +41,8 @@ import triton
 import triton.language as tl
 
 from . import functional as F
+
+log = logging.getLogger("deepmd.hybridmuon")
 
 __all__ = [
     "CHUNK",
@@ -582,42 +585,56 @@ _MAGMA_OPTIONS: dict[str, Any] = {
 #: Compile in a background thread (tests switch this off to get the kernels at once).
 BACKGROUND_COMPILE: bool = True
 _ready: set[tuple[Any, ...]] = set()
+_failed: set[tuple[Any, ...]] = set()
 _pending: list[threading.Event] = []
 _lock = threading.Lock()
 
 
 def prepare(
     device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]], magma: bool
-) -> threading.Event:
+) -> threading.Event | None:
     """Compile the variants for ``paths`` ((use_gram, rows, cols) per launch) and Magma.
 
     Returns an event that is set once they are compiled: at once when they already
-    are, or when :data:`BACKGROUND_COMPILE` is off (they compile before returning).
+    are, or when :data:`BACKGROUND_COMPILE` is off (they compile before returning);
+    ``None`` when a variant failed to compile earlier in this process (the engine then
+    keeps the torch path; the failure was logged once).
     """
     keys = {(*_launch_key(g, r, c), device.index, dtype) for g, r, c in paths}
     if magma:
         keys.add(("magma", device.index, dtype))
     event = threading.Event()
     with _lock:
+        if keys & _failed:
+            return None
         missing = keys - _ready
     if not missing or device.type != "cuda":  # nothing to do; the interpreter does not compile
         event.set()
         return event
 
     def work() -> None:
-        for key in sorted(missing, key=repr):
-            _compile(key, device)
-            with _lock:
-                _ready.add(key)
-        event.set()
+        try:
+            for key in sorted(missing, key=repr):
+                try:
+                    _compile(key, device)
+                except Exception as err:  # a GPU or Triton without support for a kernel
+                    with _lock:
+                        _failed.add(key)
+                    log.warning("Triton kernel %s did not compile (%s); torch kernels instead", key[:-2], err)
+                    return
+                with _lock:
+                    _ready.add(key)
+        finally:
+            event.set()
 
     if BACKGROUND_COMPILE:
         with _lock:
             _pending[:] = [e for e in _pending if not e.is_set()] + [event]
         threading.Thread(target=work, name="hybridmuon-triton-compile", daemon=True).start()
-    else:
-        work()
-    return event
+        return event
+    work()
+    with _lock:
+        return None if keys & _failed else event
 
 
 def wait_ready(timeout: float | None = None) -> bool:

@@ -14,6 +14,7 @@ interpreter are worked around, in the tests only:
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -238,6 +239,26 @@ def test_first_steps_take_the_torch_path_while_triton_compiles(kernels, monkeypa
     rebuilt = opt._engines[0]
     assert rebuilt is not engine and rebuilt.compiling is None and rebuilt.fused_paths
     assert all(torch.isfinite(p).all() for p in opt.param_groups[0]["params"])
+
+
+def test_a_kernel_that_does_not_compile_leaves_the_torch_path(monkeypatch, caplog):
+    K = pytest.importorskip("deepmd_hybridmuon.kernels")
+    monkeypatch.setattr(K, "_ready", set())
+    monkeypatch.setattr(K, "_failed", set())
+    monkeypatch.setattr(K, "BACKGROUND_COMPILE", False)
+
+    def broken(key, device):
+        raise RuntimeError("unsupported instruction")
+
+    monkeypatch.setattr(K, "_compile", broken)
+    gpu = torch.device("cuda", 0)  # only named: the broken compiler never touches it
+    with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
+        assert K.prepare(gpu, torch.float32, [(True, 64, 512)], magma=True) is None
+    assert "did not compile (unsupported instruction); torch kernels instead" in caplog.text
+    # remembered: no second attempt, no second warning
+    caplog.clear()
+    assert K.prepare(gpu, torch.float32, [(True, 64, 512)], magma=True) is None
+    assert not caplog.text
 
 
 @pytest.mark.skipif(CUDA or INTERPRET, reason="the kernels run directly here")
