@@ -216,21 +216,12 @@ def _newton_schulz_kernel(
             g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
             _store_chunk(work, (g * inv).to(wdtype), rows, c0 + cols, m, n, n, 1)
         tl.debug_barrier()
-        if GRAM:
-            R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
-            Q = eye.to(wdtype)
-            for k in tl.static_range(5):
-                if k == 2:  # restart: re-form X and its Gram matrix
-                    _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
-                    R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
-                R, Q = _polar_express_step(R, Q, eye, coef_ptr, k)
-            _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
-        else:
-            for k in range(n_steps):
-                a = tl.load(coef_ptr + 3 * k)
-                B = _quintic_polynomial(_gram(work, rows, cols, m, n, BM, BN).to(wdtype), coef_ptr, k)
-                tl.debug_barrier()
-                _apply_left(work, B, rows, cols, m, n, a, BN)
+        # (The Gram iteration of long matrices takes the panel path, orthogonalize_panels.)
+        for k in range(n_steps):
+            a = tl.load(coef_ptr + 3 * k)
+            B = _quintic_polynomial(_gram(work, rows, cols, m, n, BM, BN).to(wdtype), coef_ptr, k)
+            tl.debug_barrier()
+            _apply_left(work, B, rows, cols, m, n, a, BN)
         # out = scale * X in the source layout and the output's dtype.
         for c0 in range(0, n, BN):
             x = _load_chunk(work, rows, c0 + cols, m, n, n, 1).to(tl.float32)
@@ -276,8 +267,11 @@ def orthogonalize_blocks(
     rows, cols
         Largest smaller and larger side among the matrices (``rows <= MAX_ROWS``).
     use_gram
-        Gram Newton–Schulz (rectangular matrices) instead of the standard iteration.
+        Gram Newton–Schulz (rectangular matrices) instead of the standard iteration; only
+        for :func:`resident` matrices (long ones: :func:`orthogonalize_panels`).
     """
+    if panelled(use_gram, rows, cols):
+        raise ValueError(f"a {rows} x {cols} matrix takes the Gram iteration in panels: orthogonalize_panels")
     _newton_schulz_kernel[(meta.size(0),)](
         src, dst, work, meta, coefs, scale, coefs.size(0), F.NS_EPS, **_ns_options(rows, cols, use_gram)
     )
