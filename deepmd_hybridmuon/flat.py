@@ -281,25 +281,32 @@ class GroupEngine:
                 state[p]["magma_score"] = view
 
         # Each matrix goes to a Triton launch (small enough, ``flash_muon`` on) or to a
-        # zero-padded stack of the torch path, with the index maps into and out of it.
+        # zero-padded stack of the torch path. Until Triton has compiled the launches of the
+        # layout (in the background, kernels.prepare) every matrix takes the torch path.
         use_gram = bool(group["enable_gram"])
         K = self._kernels() if self.fused else None
+        fused, buckets = self._assign(K, use_gram)
         self.compiling: threading.Event | None = None
         if K is not None:
-            # The launches this layout needs; until Triton has compiled them (in the
-            # background, kernels.prepare) every matrix takes the torch path.
-            launches: dict[tuple[bool, bool], tuple[bool, int, int]] = {}
-            for _, (_, rows, cols) in self.muon:
-                small, large = min(rows, cols), max(rows, cols)
-                if small <= K.MAX_ROWS:
-                    gram = use_gram and rows != cols
-                    _, r, c = launches.get((gram, K.resident(small, large)), (gram, 0, 0))
-                    launches[(gram, K.resident(small, large))] = (gram, max(r, small), max(c, large))
-            ready = K.prepare(self.device, self.dtype, list(launches.values()), self.magma)
-            if ready is None:  # a kernel failed to compile: the torch path
-                K = None
-            elif not ready.is_set():
+            ready = K.prepare(self.device, self.dtype, [(f.use_gram, f.rows, f.cols) for f in fused], self.magma)
+            if ready is None or not ready.is_set():  # compiling, or a kernel failed to compile
                 self.compiling, K = ready, None
+                fused, buckets = self._assign(None, use_gram)
+        for f in fused:
+            self._build_fused(K, f)
+        self.fused_paths = fused
+        self.magma_kernel = K is not None and self.magma
+        if self.magma_kernel:
+            bounds, first = K.magma_chunks(lengths)
+            self.magma_bounds = torch.tensor(bounds, dtype=torch.int64, **kw)
+            self.magma_first = torch.tensor(first, dtype=torch.int64, **kw)
+            self.magma_partial = torch.zeros(3 * (len(bounds) - 1), dtype=torch.float32, **kw)
+        for b in buckets:
+            self._build_bucket(b)
+        self.buckets = buckets
+
+    def _assign(self, K: Any, use_gram: bool) -> tuple[list[_Fused], list[_Bucket]]:
+        """Group the matrices into Triton launches (``K`` given) and torch buckets."""
         fused: dict[tuple[bool, bool], _Fused] = {}
         buckets: dict[tuple[bool, int], _Bucket] = {}
         offset = block = 0
@@ -322,41 +329,39 @@ class GroupEngine:
                 b.rows, b.cols = max(b.rows, small), max(b.cols, large)
             block += bs
             offset += bs * rows * cols
-        for f in fused.values():
-            assert K is not None
-            f.table = torch.tensor(f.meta, dtype=torch.int64, **kw)
-            size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
-            f.work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if f.use_gram else K.STANDARD_WORK_DTYPE, **kw)
-            f.coefs = K.coefficient_table(f.use_gram, self.device)
-            f.panelled = K.panelled(f.use_gram, f.rows, f.cols)
-            if f.panelled:
-                panels, first = K.panel_table(f.meta)
-                bm = K.panel_block(f.rows)
-                f.panels = torch.tensor(panels, dtype=torch.int64, **kw)
-                f.first = torch.tensor(first, dtype=torch.int64, **kw)
-                f.partial = torch.zeros(len(panels), bm, bm, dtype=torch.float32, **kw)
-                f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
-                f.inv = torch.zeros(len(f.meta), dtype=torch.float32, **kw)
-        self.fused_paths = list(fused.values())
-        self.magma_kernel = K is not None and self.magma
-        if self.magma_kernel:
-            bounds, first = K.magma_chunks(lengths)
-            self.magma_bounds = torch.tensor(bounds, dtype=torch.int64, **kw)
-            self.magma_first = torch.tensor(first, dtype=torch.int64, **kw)
-            self.magma_partial = torch.zeros(3 * (len(bounds) - 1), dtype=torch.float32, **kw)
-        for b in buckets.values():
-            src, dst = [], []
-            for off, bs, rows, cols, boff, tall in b.members:
-                k = torch.arange(bs * rows * cols, **kw)
-                i, r, c = k // (rows * cols), (k // cols) % rows, k % cols
-                if tall:  # wide orientation: element (r, c) goes to (c, r)
-                    r, c = c, r
-                src.append(k + off)
-                dst.append(((boff + i) * b.rows + r) * b.cols + c)
-            b.src, b.dst = torch.cat(src), torch.cat(dst)
-            b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=self.dtype, **kw)
-            b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, **kw)
-        self.buckets = list(buckets.values())
+        return list(fused.values()), list(buckets.values())
+
+    def _build_fused(self, K: Any, f: _Fused) -> None:
+        """Device tables and workspaces of one Triton launch group."""
+        kw = {"device": self.device}
+        f.table = torch.tensor(f.meta, dtype=torch.int64, **kw)
+        size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
+        f.work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if f.use_gram else K.STANDARD_WORK_DTYPE, **kw)
+        f.coefs = K.coefficient_table(f.use_gram, self.device)
+        f.panelled = K.panelled(f.use_gram, f.rows, f.cols)
+        if f.panelled:
+            panels, first = K.panel_table(f.meta)
+            bm = K.panel_block(f.rows)
+            f.panels = torch.tensor(panels, dtype=torch.int64, **kw)
+            f.first = torch.tensor(first, dtype=torch.int64, **kw)
+            f.partial = torch.zeros(len(panels), bm, bm, dtype=torch.float32, **kw)
+            f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
+            f.inv = torch.zeros(len(f.meta), dtype=torch.float32, **kw)
+
+    def _build_bucket(self, b: _Bucket) -> None:
+        """Index maps into and out of a torch bucket's zero-padded stack, and the stack."""
+        kw = {"device": self.device}
+        src, dst = [], []
+        for off, bs, rows, cols, boff, tall in b.members:
+            k = torch.arange(bs * rows * cols, **kw)
+            i, r, c = k // (rows * cols), (k // cols) % rows, k % cols
+            if tall:  # wide orientation: element (r, c) goes to (c, r)
+                r, c = c, r
+            src.append(k + off)
+            dst.append(((boff + i) * b.rows + r) * b.cols + c)
+        b.src, b.dst = torch.cat(src), torch.cat(dst)
+        b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=self.dtype, **kw)
+        b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, **kw)
 
     @staticmethod
     def _kernels() -> Any:
