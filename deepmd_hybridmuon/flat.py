@@ -160,6 +160,10 @@ class GroupEngine:
         self.host_events = [torch.cuda.Event() if pinned else None for _ in self.host_scalars]
         self.host_turn = 0
         self.fused = bool(optimizer.flash_muon) and triton_runs_on(dev)
+        # The finite gate agreed across ranks comes in through a static buffer (the step's
+        # own gate is computed inside the captured graph otherwise).
+        self.shared_gate = bool(getattr(optimizer, "nonfinite_across_ranks", False))
+        self.ok_in = torch.ones((), dtype=torch.float32, device=dev)
         self._build_adam(optimizer.state)
         self._build_muon(optimizer.state, group)
         self.use_graph = dev.type == "cuda" and optimizer.cuda_graph
@@ -174,6 +178,7 @@ class GroupEngine:
             optimizer._names_version,
             optimizer._state_version,
             optimizer.flash_muon,
+            getattr(optimizer, "nonfinite_across_ranks", False),
             group["muon_mode"],
             group["enable_gram"],
             group["magma_muon"],
@@ -377,7 +382,7 @@ class GroupEngine:
     # ``_compute`` is captured once in a CUDA graph after :data:`GRAPH_WARMUP` eager
     # steps and replayed afterwards; everywhere else it runs eagerly.
 
-    def step(self, optimizer: Any, group: dict[str, Any]) -> bool:
+    def step(self, optimizer: Any, group: dict[str, Any], shared: torch.Tensor | None = None) -> bool:
         """One step of the whole group; ``False`` (nothing done) to let the loop take it.
 
         The engine shares one pair of Adam bias corrections; when Adam parameters are at
@@ -386,6 +391,9 @@ class GroupEngine:
         if not self.adam_uniform:
             return False
         self._stage(group)
+        if self.shared_gate:
+            assert shared is not None  # the optimizer passes it whenever nonfinite_across_ranks is on
+            self.ok_in.copy_(shared, non_blocking=True)
         if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP and not _compiling():
             self._capture()
         if self.graph is not None:
@@ -437,7 +445,10 @@ class GroupEngine:
         muon_decay, neg_lr, adamw_decay, neg_step, bc2 = self.scalars.to(self.dtype).unbind(0)
         # 1.0, or 0.0 when a gradient is not finite: the step is then skipped (functional.py).
         flat_grads = [g for g in (self.adam_grad, self.muon_grad) if g.numel()]
-        ok = F.finite_gate(flat_grads) if flat_grads else torch.ones((), device=self.device)
+        if self.shared_gate:
+            ok = self.ok_in
+        else:
+            ok = F.finite_gate(flat_grads) if flat_grads else torch.ones((), device=self.device)
         if self.adam:
             if self.adamw and self.weight_decay:
                 torch._foreach_mul_(self.adamw, F.gate_factor(adamw_decay, ok, self.dtype))

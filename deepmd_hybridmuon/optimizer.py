@@ -39,7 +39,9 @@ GROUP_KEYS: tuple[str, ...] = (
 #: Keys other code may add to a param_group: torch's schedulers and named groups.
 _FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
 #: Constructor keywords that are settings of the optimizer, not of a param_group.
-_OPTIMIZER_KEYS: frozenset[str] = frozenset({"flash_muon", "use_foreach", "batched", "cuda_graph", "named_parameters"})
+_OPTIMIZER_KEYS: frozenset[str] = frozenset(
+    {"flash_muon", "use_foreach", "batched", "cuda_graph", "named_parameters", "nonfinite_across_ranks"}
+)
 #: State tensors kept in float32 whatever the parameter dtype (torch's load_state_dict
 #: casts them to the parameter dtype; we cast them back).
 _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
@@ -248,6 +250,12 @@ class HybridMuonOptimizer(Optimizer):
         Keyword-only. On CUDA, capture the flat engine's arithmetic in a CUDA graph after two
         eager steps and replay it (the learning rate and bias corrections are read from a
         device tensor, so schedulers keep working). ``False`` keeps every step eager.
+    nonfinite_across_ranks
+        Keyword-only. For an optimizer that sees only part of the parameters on each rank
+        (the local optimizer of ``ZeroRedundancyOptimizer``, deepmd's ``zero_stage`` 1): every
+        ``step()`` all-reduces the finite flag over the default process group, so a
+        non-finite gradient anywhere skips the step on every rank. Every rank must then call
+        ``step()`` the same number of times. The plugin turns it on for ``zero_stage`` 1.
     """
 
     def __init__(
@@ -268,8 +276,15 @@ class HybridMuonOptimizer(Optimizer):
         *,
         batched: bool = True,
         cuda_graph: bool = True,
+        nonfinite_across_ranks: bool = False,
     ) -> None:
-        for key, flag in (("flash_muon", flash_muon), ("batched", batched), ("cuda_graph", cuda_graph)):
+        flags = {
+            "flash_muon": flash_muon,
+            "batched": batched,
+            "cuda_graph": cuda_graph,
+            "nonfinite_across_ranks": nonfinite_across_ranks,
+        }
+        for key, flag in flags.items():
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {key}: {flag!r}; expected true or false")
         if use_foreach is not None and not isinstance(use_foreach, bool):
@@ -291,6 +306,7 @@ class HybridMuonOptimizer(Optimizer):
         self.use_foreach = use_foreach
         self.batched = batched
         self.cuda_graph = cuda_graph
+        self.nonfinite_across_ranks = nonfinite_across_ranks
         self._param_names: dict[int, str] = {}
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
@@ -427,17 +443,38 @@ class HybridMuonOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        shared = self._gate_all_ranks() if getattr(self, "nonfinite_across_ranks", False) else None
         for index, group in enumerate(self.param_groups):
             engine = self._engine(index, group)
-            if engine is None or not engine.step(self, group):
+            if engine is None or not engine.step(self, group, shared):
                 if engine is not None and not getattr(self, "_said_loop", False):
                     self._said_loop = True
                     log.info(
                         "flat engine: Adam-routed parameters are at different step counts (some had no "
                         "gradient in earlier steps); the per-parameter loop runs such steps"
                     )
-                self._step_group(group)
+                self._step_group(group, shared)
         return loss
+
+    def _gate_all_ranks(self) -> torch.Tensor:
+        """The finite gate of this rank's gradients, all-reduced (minimum) over the default group.
+
+        Called once per ``step()`` on every rank, with or without parameters or gradients
+        here, so that the collectives of all ranks pair up.
+        """
+        import torch.distributed as dist
+
+        grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            ok = F.finite_gate(grads)
+        else:
+            params = [p for g in self.param_groups for p in g["params"]]
+            nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+            device = params[0].device if params else torch.device("cuda" if nccl else "cpu")
+            ok = torch.ones((), dtype=torch.float32, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return ok
 
     def _engine(self, index: int, group: dict[str, Any]) -> GroupEngine | None:
         """The flat engine of a group, (re)built when needed; ``None`` for the loop.
@@ -467,7 +504,7 @@ class HybridMuonOptimizer(Optimizer):
             log.info("flat engine: Triton kernels ready, now in use")
         return engine
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _step_group(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
         beta1, beta2 = (float(b) for b in group["adam_betas"])
@@ -478,9 +515,12 @@ class HybridMuonOptimizer(Optimizer):
         if not active:
             return
         grads = [self._grad_of(p) for p in active]
-        ok = F.finite_gate([_local(g) for g in grads])
-        if any(_is_dtensor(g) for g in grads):
-            ok = _gate_across_ranks(ok, grads)
+        if shared is not None:  # already agreed across ranks (nonfinite_across_ranks)
+            ok = shared.to(grads[0].device)
+        else:
+            ok = F.finite_gate([_local(g) for g in grads])
+            if any(_is_dtensor(g) for g in grads):
+                ok = _gate_across_ranks(ok, grads)
         for p, grad in zip(active, grads, strict=True):
             route = self.route_of(p, group)
             if route.route == "muon":

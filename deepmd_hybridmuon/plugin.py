@@ -246,7 +246,12 @@ def patch_trainer(module: Any) -> None:
         if optimizer_class is not builtin and optimizer_class is not HybridMuonOptimizer:
             return create(self, optimizer_class, **kwargs)
         section = getattr(self, "_hybridmuon_section", {})
-        optimizer = create(self, HybridMuonOptimizer, **optimizer_kwargs(section, kwargs))
+        extra = optimizer_kwargs(section, kwargs)
+        if getattr(getattr(self, "sharding", None), "stage", 0) == 1:
+            # ZeRO-1: each rank's optimizer steps its own partition; ranks must agree on
+            # skipping a step with a non-finite gradient.
+            extra["nonfinite_across_ranks"] = True
+        optimizer = create(self, HybridMuonOptimizer, **extra)
         _log_first_step(_local(optimizer))  # type: ignore[arg-type]
         return optimizer
 

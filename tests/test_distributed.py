@@ -15,8 +15,8 @@ Scenarios
   what one process does with the averaged gradient.
 * ZeRO-1: ``ZeroRedundancyOptimizer(optimizer_class=HybridMuonOptimizer)`` with names set as
   deepmd's trainer does; its consolidated state dict resumes a single-process optimizer.
-  One known gap is a strict xfail: a NaN gradient skips only the partition of the rank
-  that owns it (each rank's optimizer sees its own partition only).
+  A NaN gradient skips the step on every rank with ``nonfinite_across_ranks`` (what the
+  plugin sets for ``zero_stage`` 1); without it only the owning rank's partition skips.
 * FSDP2: ``fully_shard`` over a float32 DPA-2 model plus extra parameters (uneven first
   dimensions, an empty shard, a 3-D slice-mode tensor, rank-deficient gradients, AdamW);
   default options (Gram path and Magma on); a step with a NaN in one rank's shard only;
@@ -197,13 +197,24 @@ def _scenario_zero(rank: int, outdir: str) -> None:
     # A NaN in one rank's partition only (rank-identical gradients: as after DDP's allreduce).
     net = _Net()
     named = list(net.named_parameters())
-    zero = ZeroRedundancyOptimizer([p for _, p in named], optimizer_class=HybridMuonOptimizer, lr=LR)
-    zero.optim.set_param_names(named)
-    before = _snapshot(named)
-    set_grads([p for _, p in named], _full_grads(named, 0, nan=True))
-    zero.step()
-    after = _snapshot(named)
-    results["moved_in_nan_step"] = [n for n in before if not torch.equal(before[n], after[n])]
+    # Without nonfinite_across_ranks only the owning rank skips; with it (what the plugin
+    # sets for zero_stage 1) every rank does, in the loop and in the flat engine.
+    for key, options in (
+        ("moved_in_nan_step_local", {}),
+        ("moved_in_nan_step", {"nonfinite_across_ranks": True}),
+        ("moved_in_nan_step_loop", {"nonfinite_across_ranks": True, "batched": False}),
+    ):
+        net = _Net()
+        named = list(net.named_parameters())
+        zero = ZeroRedundancyOptimizer([p for _, p in named], optimizer_class=HybridMuonOptimizer, lr=LR, **options)
+        zero.optim.set_param_names(named)
+        set_grads([p for _, p in named], _full_grads(named, 0))
+        zero.step()  # one finite step first: then the NaN step runs on state
+        before = _snapshot(named)
+        set_grads([p for _, p in named], _full_grads(named, 1, nan=True))
+        zero.step()
+        after = _snapshot(named)
+        results[key] = [n for n in before if not torch.equal(before[n], after[n])]
 
     for label, batched in (("loop", False), ("engine", True)):
         net = _Net()
@@ -518,14 +529,18 @@ def test_zero1_accepts_deepmd_trainer_kwargs(run: _Run) -> None:
     assert error is None, error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="each ZeRO-1 rank gates only the gradients of its own partition: a NaN skips the "
-    "step of the rank that owns the parameter, the other ranks' parameters still move",
-)
 def test_zero1_nan_skips_the_whole_step(run: _Run) -> None:
-    moved = run.result("zero", 0)["moved_in_nan_step"]
-    assert moved == [], f"{len(moved)} parameters moved in a step with a NaN gradient"
+    """With nonfinite_across_ranks (set by the plugin for zero_stage 1) no rank steps."""
+    for rank in (0, 1):
+        for key in ("moved_in_nan_step", "moved_in_nan_step_loop"):
+            moved = run.result("zero", rank)[key]
+            assert moved == [], f"rank {rank}, {key}: {len(moved)} parameters moved in a step with a NaN gradient"
+
+
+def test_zero1_without_the_flag_skips_only_the_owning_partition(run: _Run) -> None:
+    """The default: each rank gates its own partition, so the other rank's parameters move."""
+    moved = run.result("zero", 0)["moved_in_nan_step_local"] + run.result("zero", 1)["moved_in_nan_step_local"]
+    assert moved, "expected the rank without the NaN to step its partition"
 
 
 def test_fsdp2_matches_one_process(run: _Run, fsdp_reference: dict) -> None:

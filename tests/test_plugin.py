@@ -204,3 +204,31 @@ def test_restart_with_a_routing_that_no_longer_fits_the_state_is_refused():
     assert new.param_groups[0]["muon_mode"] == "2d"
     problems = new.state_routing_mismatches()
     assert problems == ["blk.w3: Muon state, but routed to adamw"]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_zero_stage_1_makes_ranks_agree_on_skipping(stage, tmp_path):
+    """deepmd's real ``_create_optimizer`` (our wrapper around it) on a trainer built only as far
+    as that method needs: ZeRO-1 gets ``nonfinite_across_ranks``, a plain optimizer does not."""
+    import torch
+    import torch.distributed as dist
+    from deepmd.pt.train import training
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        trainer = training.Trainer.__new__(training.Trainer)  # no model, data or config
+        trainer.sharding = types.SimpleNamespace(stage=stage)
+        trainer.wrapper = torch.nn.Linear(8, 4)
+        trainer._hybridmuon_section = {}
+        opt = trainer._create_optimizer(training.HybridMuonOptimizer, lr=1e-3)
+        local = opt.optim if stage == 1 else opt
+        assert isinstance(opt, ZeroRedundancyOptimizer) == (stage == 1)
+        assert isinstance(local, HybridMuonOptimizer)
+        assert local.nonfinite_across_ranks == (stage == 1)
+        for p in trainer.wrapper.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()  # the all-reduce of the flag runs (one rank)
+        assert all(torch.isfinite(p).all() for p in trainer.wrapper.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -65,6 +65,8 @@ BAD_ARGUMENTS = [
     ({"flash_muon": "true"}, f"Invalid flash_muon: 'true'; {BOOL}"),
     ({"flash_muon": 1}, f"Invalid flash_muon: 1; {BOOL}"),
     ({"flash_muon": None}, f"Invalid flash_muon: None; {BOOL}"),
+    ({"nonfinite_across_ranks": "yes"}, f"Invalid nonfinite_across_ranks: 'yes'; {BOOL}"),
+    ({"cuda_graph": 1}, f"Invalid cuda_graph: 1; {BOOL}"),
 ]
 
 
@@ -82,8 +84,9 @@ def test_bad_constructor_argument(kwargs: dict, message: str) -> None:
         HybridMuonOptimizer([_param()], **kwargs)
 
 
-#: The group-level hyperparameters (flash_muon is an optimizer-level flag).
-BAD_GROUP_VALUES = [(kw, msg) for kw, msg in BAD_ARGUMENTS if "flash_muon" not in kw]
+#: The group-level hyperparameters (the other flags are optimizer-level).
+OPTIMIZER_FLAGS = ("flash_muon", "nonfinite_across_ranks", "cuda_graph")
+BAD_GROUP_VALUES = [(kw, msg) for kw, msg in BAD_ARGUMENTS if not set(kw) & set(OPTIMIZER_FLAGS)]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), BAD_GROUP_VALUES, ids=_ids(BAD_GROUP_VALUES))
