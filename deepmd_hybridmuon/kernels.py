@@ -12,8 +12,10 @@ smaller side is at most :data:`MAX_ROWS` and runs the whole iteration on it:
 * it reads its block of the engine's flat Nesterov-update vector directly (row/column
   strides give the wide orientation: no padded stack, no index copies);
 * the ``m x m`` products (``A = X X^T``, the polynomial, the Gram matrix and the
-  accumulated transform) stay in registers; ``X`` (``m x n``) lives in a per-matrix slice
-  of a bf16/fp16 workspace and is streamed through in column chunks of :data:`CHUNK`;
+  accumulated transform) stay in registers; so does ``X`` (``m x n``) when it fits
+  (:func:`resident`), otherwise it lives in a per-matrix slice of a bf16 workspace and is
+  streamed through in column chunks of :data:`CHUNK` (standard iteration only: the Gram
+  iteration of such matrices takes the panel path below);
 * the result, times the block's factor (Muon scale x Magma x -lr, computed on the device
   before), is written to the flat output vector in the parameter's own layout.
 
@@ -49,10 +51,19 @@ __all__ = [
     "GRAM_WORK_DTYPE",
     "MAX_ROWS",
     "META_COLS",
+    "PANEL",
     "STANDARD_WORK_DTYPE",
     "coefficient_table",
+    "magma_chunks",
     "magma_factors",
     "orthogonalize_blocks",
+    "orthogonalize_panels",
+    "panel_block",
+    "panel_table",
+    "panelled",
+    "prepare",
+    "resident",
+    "wait_ready",
 ]
 
 #: Largest smaller side handled by one program: the ``m x m`` float32 accumulators of a
