@@ -386,7 +386,8 @@ class GroupEngine:
         """One step of the whole group; ``False`` (nothing done) to let the loop take it.
 
         The engine shares one pair of Adam bias corrections; when Adam parameters are at
-        different step counts (some once had no gradient) the loop runs instead.
+        different step counts (some once had no gradient) the loop runs instead. ``shared``
+        is the finite gate agreed across ranks (``nonfinite_across_ranks``), else ``None``.
         """
         if not self.adam_uniform:
             return False
