@@ -128,6 +128,21 @@ def _apply_left(work, T, rows, cols, m, n, alpha, BN: tl.constexpr):
 
 
 @triton.jit
+def _matrix_meta(meta_ptr, i):
+    """Row ``i`` of the metadata table (see :data:`META_COLS`)."""
+    meta = meta_ptr + i * 8
+    return (
+        tl.load(meta),
+        tl.load(meta + 1),
+        tl.load(meta + 2),
+        tl.load(meta + 3),
+        tl.load(meta + 4),
+        tl.load(meta + 5),
+        tl.load(meta + 6),
+    )
+
+
+@triton.jit
 def _inverse_norm(sum_sq, eps, GRAM: tl.constexpr):
     """1 / ||G||: with ``eps`` added (Gram reference) or as a floor (standard reference)."""
     norm = tl.sqrt(sum_sq)
@@ -178,14 +193,7 @@ def _newton_schulz_kernel(
     GRAM: tl.constexpr,
     RESIDENT: tl.constexpr,
 ):
-    meta = meta_ptr + tl.program_id(0) * 8
-    src_off = tl.load(meta)
-    work_off = tl.load(meta + 1)
-    m = tl.load(meta + 2)
-    n = tl.load(meta + 3)
-    s_r = tl.load(meta + 4)
-    s_c = tl.load(meta + 5)
-    block = tl.load(meta + 6)
+    src_off, work_off, m, n, s_r, s_c, block = _matrix_meta(meta_ptr, tl.program_id(0))
     rows = tl.arange(0, BM)
     cols = tl.arange(0, BN)
     src = src_ptr + src_off
@@ -248,6 +256,11 @@ def _block(size: int) -> int:
     return max(16, triton.next_power_of_2(size))
 
 
+def _warps(bm: int) -> int:
+    """Warps per program: 8 for 128 x 128 tiles (64 float32 registers per thread), else 4."""
+    return 8 if bm >= 128 else 4
+
+
 def orthogonalize_blocks(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -296,7 +309,7 @@ def _ns_options(rows: int, cols: int, use_gram: bool) -> dict[str, Any]:
         "BN": _block(cols) if keep else CHUNK,
         "GRAM": use_gram,
         "RESIDENT": keep,
-        "num_warps": 8 if bm >= 128 else 4,
+        "num_warps": _warps(bm),
     }
 
 
@@ -322,20 +335,6 @@ def _ns_options(rows: int, cols: int, use_gram: bool) -> dict[str, Any]:
 PANEL: int = 64
 #: Integers per panel in the panel table: the matrix's row in the metadata table, first column.
 PANEL_COLS: int = 2
-
-
-@triton.jit
-def _matrix_meta(meta_ptr, i):
-    meta = meta_ptr + i * 8
-    return (
-        tl.load(meta),
-        tl.load(meta + 1),
-        tl.load(meta + 2),
-        tl.load(meta + 3),
-        tl.load(meta + 4),
-        tl.load(meta + 5),
-        tl.load(meta + 6),
-    )
 
 
 @triton.jit
@@ -446,7 +445,7 @@ def orthogonalize_panels(
     """
     bm = panel_block(rows)
     n_panels, n_matrices = panels.size(0), meta.size(0)
-    warps = 8 if bm >= 128 else 4
+    warps = _warps(bm)
     _panel_gram_kernel[(n_panels,)](src, meta, panels, partial, BM=bm, BN=PANEL, num_warps=warps)
     for restart in (False, True):
         _panel_reduce_kernel[(n_matrices,)](
@@ -657,8 +656,7 @@ def panelled(use_gram: bool, rows: int, cols: int) -> bool:
 def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
     if panelled(use_gram, rows, cols):
         return ("panel", panel_block(rows))
-    options = _ns_options(rows, cols, use_gram)
-    return ("ns", options["BM"], options["BN"], use_gram, options["RESIDENT"])
+    return ("ns", tuple(sorted(_ns_options(rows, cols, use_gram).items())))
 
 
 def _compile(key: tuple[Any, ...], device: torch.device) -> None:
@@ -672,7 +670,7 @@ def _compile(key: tuple[Any, ...], device: torch.device) -> None:
         _magma_finish_kernel.warmup(i64, f32, 2, f32, f32, f32, vec[0], f32[0], **_MAGMA_OPTIONS, grid=(1,))
     elif kind == "panel":
         bm = key[1]
-        warps = 8 if bm >= 128 else 4
+        warps = _warps(bm)
         _panel_gram_kernel.warmup(vec, i64, i64, f32, BM=bm, BN=PANEL, num_warps=warps, grid=(1,))
         for restart in (False, True):
             _panel_reduce_kernel.warmup(
@@ -681,7 +679,6 @@ def _compile(key: tuple[Any, ...], device: torch.device) -> None:
             args = (vec, f16, vec, i64, i64, f16, f32, f32, f32)
             _panel_apply_kernel.warmup(*args, BM=bm, BN=PANEL, FINAL=restart, num_warps=warps, grid=(1,))
     else:
-        bm, bn, use_gram, keep = key[1:5]
-        work = torch.zeros(16, dtype=GRAM_WORK_DTYPE if use_gram else STANDARD_WORK_DTYPE, device=device)
-        options = {"BM": bm, "BN": bn, "GRAM": use_gram, "RESIDENT": keep, "num_warps": 8 if bm >= 128 else 4}
+        options = dict(key[1])
+        work = torch.zeros(16, dtype=GRAM_WORK_DTYPE if options["GRAM"] else STANDARD_WORK_DTYPE, device=device)
         _newton_schulz_kernel.warmup(vec, vec, work, i64, f32, f32, 2, F.NS_EPS, **options, grid=(1,))
