@@ -157,12 +157,13 @@ class GroupEngine:
         # that last read it has run (its event), so a step allocates nothing.
         pinned = dev.type == "cuda"
         self.host_scalars = [torch.zeros(5, dtype=torch.float64, device="cpu", pin_memory=pinned) for _ in range(4)]
+        self.host_arrays = [h.numpy() for h in self.host_scalars]  # writable views, made once
         self.host_events = [torch.cuda.Event() if pinned else None for _ in self.host_scalars]
         self.host_turn = 0
         self.fused = bool(optimizer.flash_muon) and triton_runs_on(dev)
         # The finite gate agreed across ranks comes in through a static buffer (the step's
         # own gate is computed inside the captured graph otherwise).
-        self.shared_gate = bool(getattr(optimizer, "nonfinite_across_ranks", False))
+        self.shared_gate = bool(optimizer.nonfinite_across_ranks)
         self.ok_in = torch.ones((), dtype=torch.float32, device=dev)
         self._build_adam(optimizer.state)
         self._build_muon(optimizer.state, group)
@@ -178,7 +179,7 @@ class GroupEngine:
             optimizer._names_version,
             optimizer._state_version,
             optimizer.flash_muon,
-            getattr(optimizer, "nonfinite_across_ranks", False),
+            optimizer.nonfinite_across_ranks,
             group["muon_mode"],
             group["enable_gram"],
             group["magma_muon"],
@@ -425,7 +426,7 @@ class GroupEngine:
         host, event = self.host_scalars[turn], self.host_events[turn]
         if event is not None:
             event.synchronize()  # the copy that last read this buffer has run (at once, in practice)
-        host.numpy()[:] = (1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2)
+        self.host_arrays[turn][:] = (1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2)
         self.scalars.copy_(host, non_blocking=event is not None)
         if event is not None:
             event.record()

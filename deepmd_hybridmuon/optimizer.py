@@ -397,9 +397,14 @@ class HybridMuonOptimizer(Optimizer):
     # -------------------------------------------------------------- checkpoint
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """torch adds ``differentiable`` to the defaults here; it is no HybridMuon key."""
+        """torch adds ``differentiable`` to the defaults here; it is no HybridMuon key.
+
+        An optimizer pickled by an earlier release lacks the newer attributes: their defaults.
+        """
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)
+        self.__dict__.setdefault("nonfinite_across_ranks", False)
+        self.__dict__.setdefault("_said_loop", False)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"hybridmuon": {"version": ...}`` naming the writer.
@@ -443,11 +448,11 @@ class HybridMuonOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        shared = self._gate_all_ranks() if getattr(self, "nonfinite_across_ranks", False) else None
+        shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
         for index, group in enumerate(self.param_groups):
             engine = self._engine(index, group)
             if engine is None or not engine.step(self, group, shared):
-                if engine is not None and not getattr(self, "_said_loop", False):
+                if engine is not None and not self._said_loop:
                     self._said_loop = True
                     log.info(
                         "flat engine: Adam-routed parameters are at different step counts (some had no "
