@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_speed import _absolute_systems, resolve_config  # shared with the speed benchmark
+from train_speed import DISABLE_ENV, _absolute_systems, prepare_run, resolve_config  # shared with the speed benchmark
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "configs"
@@ -83,7 +83,6 @@ OPTIMIZERS = ("ours", "builtin", "adam")
 DEFAULT_LR = 1e-3
 LR_RATIO = 30.0  # stop_lr = start_lr / LR_RATIO
 N_DISP = 20  # lcurve points (plus step 1)
-DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
 OURS_LOG_MARK = "optimizer: deepmd-hybridmuon"
 SCHEMA = "train_quality/1"
 
@@ -260,16 +259,7 @@ def run_one(
     digest: str,
 ) -> dict[str, Any]:
     rundir = workdir / config_name / label / f"seed{seed}"
-    if rundir.exists():
-        shutil.rmtree(rundir)
-    rundir.mkdir(parents=True)
-    with open(rundir / "input.json", "w") as f:
-        json.dump(cfg, f, indent=2)
-    env = dict(os.environ)
-    if optimizer == "builtin":
-        env[DISABLE_ENV] = "1"
-    else:
-        env.pop(DISABLE_ENV, None)
+    env = prepare_run(rundir, cfg, optimizer == "builtin")
     cmd = [*dp, "--pt", "train", "input.json"]
     prefix = f"[{config_name}/{label}/seed{seed}]"
     print(f"{prefix} {'DEEPMD_HYBRIDMUON_DISABLE=1 ' if optimizer == 'builtin' else ''}{shlex.join(cmd)}", flush=True)

@@ -125,6 +125,24 @@ def parse_log(text: str) -> dict[str, Any]:
     }
 
 
+def prepare_run(rundir: Path, cfg: dict[str, Any], builtin: bool) -> dict[str, str]:
+    """A fresh ``rundir`` with ``input.json``; the environment of its ``dp`` process.
+
+    ``builtin``: deepmd-kit's own HybridMuon (our plugin switched off), else ours.
+    """
+    if rundir.exists():
+        shutil.rmtree(rundir)
+    rundir.mkdir(parents=True)
+    with open(rundir / "input.json", "w") as f:
+        json.dump(cfg, f, indent=2)
+    env = dict(os.environ)
+    if builtin:
+        env[DISABLE_ENV] = "1"
+    else:
+        env.pop(DISABLE_ENV, None)
+    return env
+
+
 def run_variant(
     variant: str,
     config: dict[str, Any],
@@ -135,9 +153,6 @@ def run_variant(
     opt_kw: dict[str, Any],
 ) -> dict[str, Any]:
     rundir = workdir / variant
-    if rundir.exists():
-        shutil.rmtree(rundir)
-    rundir.mkdir(parents=True)
     stat_file = workdir / f"{config_path.stem}.stat.hdf5"
     cfg = make_input(
         config,
@@ -148,13 +163,7 @@ def run_variant(
         stat_file=stat_file,
         opt_kw=opt_kw,
     )
-    with open(rundir / "input.json", "w") as f:
-        json.dump(cfg, f, indent=2)
-    env = dict(os.environ)
-    if variant == "builtin":
-        env[DISABLE_ENV] = "1"
-    else:
-        env.pop(DISABLE_ENV, None)
+    env = prepare_run(rundir, cfg, variant == "builtin")
     cmd = [*dp, "--pt", "train", "input.json"]
     if args.log_level:
         cmd += ["-v", args.log_level]
