@@ -83,6 +83,10 @@ class _Bucket:
     dst: torch.Tensor | None = None  # positions in the padded stack
     stack: torch.Tensor | None = None  # persistent zero-padded input
     blocks: list[int] = field(default_factory=list)  # global block index of each stack row
+    # per member: (flat offset, batch, rows, cols, transposed, its part of the stack)
+    inputs: list[tuple[int, int, int, int, bool, torch.Tensor]] = field(default_factory=list)
+    # per member: (batch offset in bucket, batch, its muon_delta in wide orientation)
+    outputs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     block_ids: torch.Tensor | None = None
 
 
@@ -152,21 +156,40 @@ class GroupEngine:
         self.betas = tuple(float(b) for b in group["adam_betas"])
         self.beta = float(group["momentum"])
         self.weight_decay = float(group["weight_decay"]) > 0
-        self.scalars = torch.zeros(5, dtype=torch.float64, device=dev)
-        # Host side of the scalars: a ring of pinned buffers, each reused once the copy
-        # that last read it has run (its event), so a step allocates nothing.
-        pinned = dev.type == "cuda"
-        self.host_scalars = [torch.zeros(5, dtype=torch.float64, device="cpu", pin_memory=pinned) for _ in range(4)]
-        self.host_arrays = [h.numpy() for h in self.host_scalars]  # writable views, made once
-        self.host_events = [torch.cuda.Event() if pinned else None for _ in self.host_scalars]
-        self.host_turn = 0
         self.fused = bool(optimizer.flash_muon) and triton_runs_on(dev)
         # The finite gate agreed across ranks comes in through a static buffer (the step's
         # own gate is computed inside the captured graph otherwise).
         self.shared_gate = bool(optimizer.nonfinite_across_ranks)
         self.ok_in = torch.ones((), dtype=torch.float32, device=dev)
+        # One flat gradient buffer and one flat update buffer, Adam parameters first: one
+        # copy in, one finite check and one update pass per step.
+        self.staged = self.adam + [p for p, _ in self.muon]
+        numels = [p.numel() for p in self.staged]
+        self.grad = torch.zeros(sum(numels), dtype=dtype, device=dev)
+        self.delta = torch.zeros_like(self.grad)
+        self.grad_views = _split_views(self.grad, self.staged)
+        self.step_grads = [p.grad for p in self.staged]
         self._build_adam(optimizer.state)
         self._build_muon(optimizer.state, group)
+        # The step's scalars (5 float64) and, with the Triton kernels, the gradients' addresses,
+        # in one int64 buffer moved to the device by one copy. Host side: a ring of pinned
+        # buffers, each reused once the copy that last read it has run (its event).
+        size = 5 + (len(self.staged) if self.triton else 0)
+        pinned = dev.type == "cuda"
+        self.host_staged = [torch.zeros(size, dtype=torch.int64, device="cpu", pin_memory=pinned) for _ in range(4)]
+        self.host_scalars = [h[:5].view(torch.float64).numpy() for h in self.host_staged]  # writable views
+        self.host_addresses = [h[5:].numpy() for h in self.host_staged]
+        self.host_events = [torch.cuda.Event() if pinned else None for _ in self.host_staged]
+        self.host_turn = 0
+        self.staged_in = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.scalars = self.staged_in[:5].view(torch.float64)
+        if self.triton:
+            self.grad_addresses = self.staged_in[5:]
+            adamw = {id(p) for p in self.adamw} if self.weight_decay else set()
+            decays = [2 if id(p) in adamw else 0 for p in self.adam]
+            decays += [1 if self.weight_decay else 0] * len(self.muon)
+            self.spans = torch.tensor(self._kernels().span_table(numels, decays), dtype=torch.int64, device=dev)
+            self.param_addresses = torch.tensor([p.data_ptr() for p in self.staged], dtype=torch.int64, device=dev)
         self.use_graph = dev.type == "cuda" and optimizer.cuda_graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.side_streams: list[torch.cuda.Stream] = []  # only while capturing
@@ -201,9 +224,8 @@ class GroupEngine:
             a is not b for a, b in zip(params, self.group_params, strict=True)
         ):
             return False
-        self.adam_grads = [p.grad for p in self.adam]
-        self.muon_grads = [p.grad for p, _ in self.muon]
-        if any(g is None for g in self.adam_grads) or any(g is None for g in self.muon_grads):
+        self.step_grads = [p.grad for p in self.staged]
+        if any(g is None for g in self.step_grads):
             return False
         return all(p.grad is None for p in self.gradless)
 
@@ -239,10 +261,9 @@ class GroupEngine:
         kw = {"device": self.device, "dtype": torch.float32}
         self.exp_avg = torch.zeros(n, **kw)
         self.exp_avg_sq = torch.zeros(n, **kw)
-        self.adam_delta = torch.zeros(n, device=self.device, dtype=self.dtype)
-        self.adam_grad = torch.zeros(n, device=self.device, dtype=self.dtype)
+        self.adam_delta = self.delta[:n]
+        self.adam_grad = self.grad[:n]
         self.adam_delta_views = _split_views(self.adam_delta, self.adam)
-        self.adam_grad_views = _split_views(self.adam_grad, self.adam)
         fresh = [p for p in self.adam if "exp_avg" not in state[p]]
         self._adopt(state, self.adam, "exp_avg", self.exp_avg)
         self._adopt(state, self.adam, "exp_avg_sq", self.exp_avg_sq)
@@ -254,7 +275,6 @@ class GroupEngine:
         # one step count, and keeps them there (it steps them all together).
         pows = {(st["beta1_pow"], st["beta2_pow"]) for st in self.adam_states}
         self.adam_uniform = len(pows) <= 1
-        self.adam_grads = [p.grad for p in self.adam]
 
     def _build_muon(self, state: dict, group: dict[str, Any]) -> None:
         params = [p for p, _ in self.muon]
@@ -262,11 +282,9 @@ class GroupEngine:
         kw = {"device": self.device}
         self.momentum = torch.zeros(n, dtype=self.dtype, **kw)
         self._adopt(state, params, "momentum_buffer", self.momentum)
-        self.muon_delta = torch.zeros(n, dtype=self.dtype, **kw)
-        self.muon_grad = torch.zeros(n, dtype=self.dtype, **kw)
+        self.muon_delta = self.delta[self.delta.numel() - n :]
+        self.muon_grad = self.grad[self.grad.numel() - n :]
         self.muon_delta_views = _split_views(self.muon_delta, params)
-        self.muon_grad_views = _split_views(self.muon_grad, params)
-        self.muon_grads = [p.grad for p in params]
 
         # Blocks (one per matrix of each view) and their per-block Muon scale.
         lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
@@ -301,7 +319,8 @@ class GroupEngine:
         for f in fused:
             self._build_fused(K, f)
         self.fused_paths = fused
-        self.magma_kernel = K is not None and self.magma
+        self.triton = K is not None  # also copies the gradients in and applies the updates
+        self.magma_kernel = self.triton and self.magma
         if self.magma_kernel:
             bounds, first = K.magma_chunks(lengths)
             self.magma_bounds = torch.tensor(bounds, dtype=torch.int64, **kw)
@@ -366,7 +385,16 @@ class GroupEngine:
             src.append(k + off)
             dst.append(((boff + i) * b.rows + r) * b.cols + c)
         b.src, b.dst = torch.cat(src), torch.cat(dst)
-        b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=self.dtype, **kw)
+        # The stack holds the iteration's input dtype (float32 for the Gram path, bfloat16 for the
+        # standard one), so the copy in converts, as the reference's first ``.to`` would.
+        dtype = torch.float32 if b.use_gram else torch.bfloat16
+        b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=dtype, **kw)
+        b.inputs, b.outputs = [], []
+        for off, bs, rows, cols, boff, tall in b.members:
+            flat = self.muon_delta[off : off + bs * rows * cols].view(bs, rows, cols)
+            b.outputs.append((boff, bs, flat.mT if tall else flat))
+            small, large = min(rows, cols), max(rows, cols)
+            b.inputs.append((off, bs, rows, cols, tall, b.stack[boff : boff + bs, :small, :large]))
         b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, **kw)
 
     @staticmethod
@@ -419,23 +447,27 @@ class GroupEngine:
                 st["beta1_pow"], st["beta2_pow"] = pow1, pow2
             step_size = adam_lr / (1.0 - pow1)
             bc2 = 1.0 - pow2
-            torch._foreach_copy_(self.adam_grad_views, self.adam_grads)
-        if self.muon:
-            torch._foreach_copy_(self.muon_grad_views, self.muon_grads)
-        turn = self.host_turn = (self.host_turn + 1) % len(self.host_scalars)
-        host, event = self.host_scalars[turn], self.host_events[turn]
+        turn = self.host_turn = (self.host_turn + 1) % len(self.host_staged)
+        host, event = self.host_staged[turn], self.host_events[turn]
         if event is not None:
             event.synchronize()  # the copy that last read this buffer has run (at once, in practice)
-        self.host_arrays[turn][:] = (1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2)
-        self.scalars.copy_(host, non_blocking=event is not None)
+        self.host_scalars[turn][:] = (1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2)
+        if self.triton:
+            # The gather kernel reads the gradients where they are (contiguous ones; a copy
+            # of any other, kept alive in step_grads until the step has run).
+            grads = [g if g.is_contiguous() else g.contiguous() for g in self.step_grads]
+            self.step_grads = grads
+            self.host_addresses[turn][:] = [g.data_ptr() for g in grads]
+        else:
+            torch._foreach_copy_(self.grad_views, self.step_grads)
+        self.staged_in.copy_(host, non_blocking=event is not None)
         if event is not None:
             event.record()
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        # Captured, each torch bucket's Newton-Schulz runs on a stream of its own (see _muon).
-        parallel = len(self.buckets) + len(self.fused_paths) > 1
-        self.side_streams = [torch.cuda.Stream(self.device) for _ in self.buckets] if parallel else []
+        # Captured, each torch bucket runs on a stream of its own (see _muon_update).
+        self.side_streams = [torch.cuda.Stream(self.device) for _ in self.buckets]
         try:
             with torch.cuda.graph(graph):
                 self._compute()
@@ -444,19 +476,26 @@ class GroupEngine:
         self.graph = graph
 
     def _compute(self) -> None:
+        if self.triton:
+            self._kernels().gather(self.grad_addresses, self.spans, self.grad)
         muon_decay, neg_lr, adamw_decay, neg_step, bc2 = self.scalars.to(self.dtype).unbind(0)
         # 1.0, or 0.0 when a gradient is not finite: the step is then skipped (functional.py).
-        flat_grads = [g for g in (self.adam_grad, self.muon_grad) if g.numel()]
-        if self.shared_gate:
-            ok = self.ok_in
-        else:
-            ok = F.finite_gate(flat_grads) if flat_grads else torch.ones((), device=self.device)
+        ok = self.ok_in if self.shared_gate else F.finite_gate([self.grad])
+        # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
+        # Nesterov update exists; captured, it runs on side streams while the main stream does
+        # Adam, the weight decay, Magma and the Triton launches (see _orthogonalize_buckets).
+        pending = self._muon_update(ok) if self.muon else None
+        muon_decay = F.gate_factor(muon_decay, ok, self.dtype)
+        adamw_decay = F.gate_factor(adamw_decay, ok, self.dtype)
         if self.adam:
-            if self.adamw and self.weight_decay:
-                torch._foreach_mul_(self.adamw, F.gate_factor(adamw_decay, ok, self.dtype))
+            if self.adamw and self.weight_decay and not self.triton:
+                torch._foreach_mul_(self.adamw, adamw_decay)
             self._adam(neg_step.float() * ok, bc2.float(), ok)
-        if self.muon:
-            self._muon(F.gate_factor(muon_decay, ok, self.dtype), neg_lr * ok.to(self.dtype), ok)
+        if pending is not None:
+            self._muon(muon_decay, neg_lr * ok.to(self.dtype), ok, *pending)
+        if self.triton:  # p <- p * decay + delta for every parameter, in one pass
+            decays = torch.stack([torch.ones_like(muon_decay), muon_decay, adamw_decay])
+            self._kernels().apply_updates(self.param_addresses, self.spans, self.delta, decays)
 
     def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor, ok: torch.Tensor) -> None:
         beta1, beta2 = self.betas
@@ -466,15 +505,47 @@ class GroupEngine:
         denom = (self.exp_avg_sq / bc2).sqrt_().add_(F.ADAM_EPS)
         torch.div(self.exp_avg, denom, out=denom)
         self.adam_delta.copy_(denom.mul_(neg_step))
-        torch._foreach_add_(self.adam, self.adam_delta_views)
+        if not self.triton:
+            torch._foreach_add_(self.adam, self.adam_delta_views)
 
-    def _muon(self, decay: torch.Tensor, neg_lr: torch.Tensor, ok: torch.Tensor) -> None:
-        params = [p for p, _ in self.muon]
+    def _muon_update(self, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Momentum and Nesterov update of every Muon matrix; starts the torch buckets on it.
+
+        Returns the sanitised gradients, the update and the buckets' orthogonalised stacks
+        (unscaled; still being computed on the side streams when captured).
+        """
         grads = F.sanitize(self.muon_grad, ok)
-        if self.weight_decay:
-            torch._foreach_mul_(params, decay)
         self.momentum.lerp_(grads, ok.to(self.dtype) * (1.0 - self.beta))
         update = torch.lerp(grads, self.momentum, self.beta)
+        stacks = []
+        for i, b in enumerate(self.buckets):
+            with self._side(i):
+                for off, bs, rows, cols, tall, part in b.inputs:
+                    view = update[off : off + bs * rows * cols].view(bs, rows, cols)
+                    part.copy_(view.mT if tall else view)
+                stacks.append(F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack))
+        return grads, update, stacks
+
+    def _side(self, i: int) -> contextlib.AbstractContextManager:
+        """Side stream ``i`` while capturing (after everything the main stream has queued), else nothing."""
+        if not self.side_streams:
+            return contextlib.nullcontext()
+        side = self.side_streams[i]
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(side)
+
+    def _muon(
+        self,
+        decay: torch.Tensor,
+        neg_lr: torch.Tensor,
+        ok: torch.Tensor,
+        grads: torch.Tensor,
+        update: torch.Tensor,
+        stacks: list[torch.Tensor],
+    ) -> None:
+        params = [p for p, _ in self.muon]
+        if self.weight_decay and not self.triton:
+            torch._foreach_mul_(params, decay)
 
         factor = self.block_factor  # per block: Muon scale x Magma multiplier x -lr
         if self.magma_kernel:
@@ -510,20 +581,15 @@ class GroupEngine:
         else:
             torch.mul(self.block_scale, neg_lr.float(), out=factor)
 
-        # The Triton launches and each torch bucket read `update` and `factor` and write
-        # disjoint parts of muon_delta: captured, every bucket runs on a stream of its own,
-        # in parallel with the others and with the launches (forks and joins in the graph).
-        streams = self.side_streams
-        main = torch.cuda.current_stream(self.device) if streams else None
-        for i, b in enumerate(self.buckets):
-            side = streams[i] if main is not None else None
-            if side is not None and main is not None:
-                side.wait_stream(main)
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                b.stack.view(-1).index_copy_(0, b.dst, update.index_select(0, b.src))
-                out = F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack)
-                out = out.to(self.dtype) * factor.index_select(0, b.block_ids).to(self.dtype).view(-1, 1, 1)
-                self.muon_delta.index_copy_(0, b.src, out.reshape(-1).index_select(0, b.dst))
+        # Each bucket's stack, scaled by its blocks' factors, goes back into muon_delta on its
+        # side stream once the factors exist; the Triton launches (main stream) read `update`
+        # and `factor` and write the other parts of muon_delta.
+        for i, (b, out) in enumerate(zip(self.buckets, stacks, strict=True)):
+            with self._side(i):
+                scale = factor.index_select(0, b.block_ids).to(self.dtype).view(-1, 1, 1)
+                for boff, bs, delta in b.outputs:
+                    part = out[boff : boff + bs, : delta.size(1), : delta.size(2)]
+                    torch.mul(part, scale[boff : boff + bs], out=delta)
         K = self._kernels() if self.fused_paths else None
         for f in self.fused_paths:
             if f.panelled:
@@ -535,7 +601,9 @@ class GroupEngine:
                 K.orthogonalize_blocks(
                     update, self.muon_delta, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram
                 )
-        if main is not None:
-            for side in streams:
+        if self.side_streams:
+            main = torch.cuda.current_stream(self.device)
+            for side in self.side_streams:
                 main.wait_stream(side)
-        torch._foreach_add_(params, self.muon_delta_views)
+        if not self.triton:
+            torch._foreach_add_(params, self.muon_delta_views)

@@ -52,8 +52,11 @@ __all__ = [
     "MAX_ROWS",
     "META_COLS",
     "PANEL",
+    "SPAN",
     "STANDARD_WORK_DTYPE",
+    "apply_updates",
     "coefficient_table",
+    "gather",
     "magma_chunks",
     "magma_factors",
     "orthogonalize_blocks",
@@ -63,6 +66,7 @@ __all__ = [
     "panelled",
     "prepare",
     "resident",
+    "span_table",
     "wait_ready",
 ]
 
@@ -576,6 +580,83 @@ _MAGMA_OPTIONS: dict[str, Any] = {
 }
 
 # ---------------------------------------------------------------------------
+# Gradients in, updates out: kernels over a table of tensor addresses
+# ---------------------------------------------------------------------------
+#
+# The engine keeps its state in flat buffers, while the gradients (fresh tensors every
+# step) and the parameters are separate tensors. A table of their addresses (int64) lets
+# one launch copy every gradient into the flat buffer, and one launch apply every update,
+# p <- p * decay + delta, in a single pass (a torch multiply and add over a list of tensors
+# take two). The gradient addresses change every step: the host writes them into the same
+# pinned buffer as the step's scalars, which one copy moves to the device; inside a captured
+# graph the gather then reads them from there. Each program takes one span of at most
+# SPAN elements of one tensor.
+
+#: Elements per program of the address-table kernels.
+SPAN: int = 8192
+#: Integers per span: tensor index in the address table, first element, stop, offset in
+#: the flat buffer of the first element, decay index (apply only: 0 none, 1 Muon, 2 AdamW).
+SPAN_COLS: int = 5
+
+
+def span_table(numels: list[int], decays: list[int] | None = None) -> list[list[int]]:
+    """Spans of tensors laid end to end in a flat buffer (see :data:`SPAN_COLS`)."""
+    spans, offset = [], 0
+    for j, numel in enumerate(numels):
+        decay = decays[j] if decays is not None else 0
+        spans += [[j, start, min(start + SPAN, numel), offset + start, decay] for start in range(0, numel, SPAN)]
+        offset += numel
+    return spans
+
+
+@triton.jit
+def _span(spans_ptr, i):
+    row = spans_ptr + i * 5
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+
+
+@triton.jit
+def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, BLOCK: tl.constexpr):
+    """flat[offset:...] = tensor[first:stop] for one span."""
+    j, first, stop, offset, _ = _span(spans_ptr, tl.program_id(0))
+    src = tl.load(addr_ptr + j).to(tl.pointer_type(flat_ptr.dtype.element_ty))
+    for e in range(first, stop, BLOCK):
+        idx = e + tl.arange(0, BLOCK)
+        mask = idx < stop
+        tl.store(flat_ptr + offset - first + idx, tl.load(src + idx, mask=mask), mask=mask)
+
+
+@triton.jit
+def _apply_kernel(addr_ptr, spans_ptr, delta_ptr, decay_ptr, BLOCK: tl.constexpr):
+    """p[first:stop] = p * decay + delta[offset:...] for one span (two roundings, as in torch)."""
+    j, first, stop, offset, d = _span(spans_ptr, tl.program_id(0))
+    dst = tl.load(addr_ptr + j).to(tl.pointer_type(delta_ptr.dtype.element_ty))
+    decay = tl.load(decay_ptr + d)
+    for e in range(first, stop, BLOCK):
+        idx = e + tl.arange(0, BLOCK)
+        mask = idx < stop
+        p = tl.load(dst + idx, mask=mask) * decay
+        tl.store(dst + idx, p + tl.load(delta_ptr + offset - first + idx, mask=mask), mask=mask)
+
+
+_SPAN_OPTIONS: dict[str, Any] = {"BLOCK": 1024, "num_warps": 4}
+
+
+def gather(addresses: torch.Tensor, spans: torch.Tensor, flat: torch.Tensor) -> None:
+    """Copy the tensors at ``addresses`` (int64, contiguous, ``flat``'s dtype) into ``flat`` (:func:`span_table`)."""
+    _gather_kernel[(spans.size(0),)](addresses, spans, flat, **_SPAN_OPTIONS)
+
+
+def apply_updates(addresses: torch.Tensor, spans: torch.Tensor, delta: torch.Tensor, decays: torch.Tensor) -> None:
+    """``p <- p * decays[d] + delta`` for every tensor at ``addresses`` (:func:`span_table` with decay indices).
+
+    The product is rounded before the sum (no fused multiply-add), as in torch's
+    ``_foreach_mul_`` followed by ``_foreach_add_``.
+    """
+    _apply_kernel[(spans.size(0),)](addresses, spans, delta, decays, **_SPAN_OPTIONS, enable_fp_fusion=False)
+
+
+# ---------------------------------------------------------------------------
 # Compilation off the training thread
 # ---------------------------------------------------------------------------
 #
@@ -597,7 +678,7 @@ _lock = threading.Lock()
 def prepare(
     device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]], magma: bool
 ) -> threading.Event | None:
-    """Compile the variants for ``paths`` ((use_gram, rows, cols) per launch) and Magma.
+    """Compile the variants for ``paths`` ((use_gram, rows, cols) per launch), the address-table kernels and Magma.
 
     Returns an event that is set once they are compiled: at once when they already
     are, or when :data:`BACKGROUND_COMPILE` is off (they compile before returning);
@@ -605,6 +686,7 @@ def prepare(
     keeps the torch path; the failure was logged once).
     """
     keys = {(*_launch_key(g, r, c), device.index, dtype) for g, r, c in paths}
+    keys.add(("spans", device.index, dtype))
     if magma:
         keys.add(("magma", device.index, dtype))
     event = threading.Event()
@@ -668,6 +750,9 @@ def _compile(key: tuple[Any, ...], device: torch.device) -> None:
     if kind == "magma":
         _magma_partial_kernel.warmup(vec, vec, i64, f32, 2, BLOCK=1024, grid=(1,))
         _magma_finish_kernel.warmup(i64, f32, 2, f32, f32, f32, vec[0], f32[0], **_MAGMA_OPTIONS, grid=(1,))
+    elif kind == "spans":
+        _gather_kernel.warmup(i64, i64, vec, **_SPAN_OPTIONS, grid=(1,))
+        _apply_kernel.warmup(i64, i64, vec, vec, **_SPAN_OPTIONS, enable_fp_fusion=False, grid=(1,))
     elif kind == "panel":
         bm = key[1]
         warps = _warps(bm)

@@ -427,3 +427,24 @@ def test_route_parameter(name, shape, mode, route, view) -> None:
     r = F.route_parameter(name, shape, mode)
     assert (r.route, r.view) == (route, view)
     assert r.reason
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([1.0, -2.0, 0.0], 1.0),
+        ([3.0e38, 3.0e38, -3.0e38], 1.0),  # finite, though their float32 sum overflows
+        ([1.0, float("inf")], 0.0),
+        ([-float("inf"), 1.0], 0.0),
+        ([float("nan")], 0.0),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_finite_gate(values: list[float], expected: float, dtype: torch.dtype) -> None:
+    bad = torch.tensor(values).to(dtype)
+    if dtype == torch.bfloat16 and expected:
+        bad = bad.clamp(-1e30, 1e30)  # bfloat16's range is float32's; stay clear of its rounding to inf
+    fine = torch.ones(3, dtype=torch.float64)
+    assert F.finite_gate([bad]).item() == expected
+    assert F.finite_gate([fine, bad]).item() == expected  # mixed dtypes, one flag
+    assert F.finite_gate([fine]).dtype == torch.float32
