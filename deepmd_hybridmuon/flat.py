@@ -189,6 +189,9 @@ class GroupEngine:
             decays = [2 if id(p) in adamw else 0 for p in self.adam]
             decays += [1 if self.weight_decay else 0] * len(self.muon)
             self.spans = torch.tensor(self._kernels().span_table(numels, decays), dtype=torch.int64, device=dev)
+            self.span_finite = torch.ones(self.spans.size(0), dtype=torch.float32, device=dev)
+            self.betas_t = torch.tensor([self.beta, 1.0 - self.beta], dtype=dtype, device=dev)
+            self.update = torch.zeros_like(self.momentum)
             self.param_addresses = torch.tensor([p.data_ptr() for p in self.staged], dtype=torch.int64, device=dev)
         self.use_graph = dev.type == "cuda" and optimizer.cuda_graph
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -476,11 +479,13 @@ class GroupEngine:
         self.graph = graph
 
     def _compute(self) -> None:
-        if self.triton:
-            self._kernels().gather(self.grad_addresses, self.spans, self.grad)
+        # ok: 1.0, or 0.0 when a gradient is not finite: the step is then skipped (functional.py).
+        if self.triton:  # the copy in also flags non-finite spans
+            self._kernels().gather(self.grad_addresses, self.spans, self.grad, self.span_finite)
+            ok = self.ok_in if self.shared_gate else self.span_finite.amin()
+        else:
+            ok = self.ok_in if self.shared_gate else F.finite_gate([self.grad])
         muon_decay, neg_lr, adamw_decay, neg_step, bc2 = self.scalars.to(self.dtype).unbind(0)
-        # 1.0, or 0.0 when a gradient is not finite: the step is then skipped (functional.py).
-        ok = self.ok_in if self.shared_gate else F.finite_gate([self.grad])
         # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
         # Nesterov update exists; captured, it runs on side streams while the main stream does
         # Adam, the weight decay, Magma and the Triton launches (see _orthogonalize_buckets).
@@ -514,9 +519,13 @@ class GroupEngine:
         Returns the sanitised gradients, the update and the buckets' orthogonalised stacks
         (unscaled; still being computed on the side streams when captured).
         """
-        grads = F.sanitize(self.muon_grad, ok)
-        self.momentum.lerp_(grads, ok.to(self.dtype) * (1.0 - self.beta))
-        update = torch.lerp(grads, self.momentum, self.beta)
+        if self.triton:  # one pass; muon_grad is sanitised in place
+            grads, update = self.muon_grad, self.update
+            self._kernels().momentum_update(grads, self.momentum, update, ok, self.betas_t)
+        else:
+            grads = F.sanitize(self.muon_grad, ok)
+            self.momentum.lerp_(grads, ok.to(self.dtype) * (1.0 - self.beta))
+            update = torch.lerp(grads, self.momentum, self.beta)
         stacks = []
         for i, b in enumerate(self.buckets):
             with self._side(i):

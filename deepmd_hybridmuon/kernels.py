@@ -59,6 +59,7 @@ __all__ = [
     "gather",
     "magma_chunks",
     "magma_factors",
+    "momentum_update",
     "orthogonalize_blocks",
     "orthogonalize_panels",
     "panel_block",
@@ -616,14 +617,41 @@ def _span(spans_ptr, i):
 
 
 @triton.jit
-def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, BLOCK: tl.constexpr):
-    """flat[offset:...] = tensor[first:stop] for one span."""
-    j, first, stop, offset, _ = _span(spans_ptr, tl.program_id(0))
+def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, finite_ptr, BLOCK: tl.constexpr):
+    """flat[offset:...] = tensor[first:stop] for one span; finite[span] = 1.0 if all of it is finite, else 0.0."""
+    s = tl.program_id(0)
+    j, first, stop, offset, _ = _span(spans_ptr, s)
     src = tl.load(addr_ptr + j).to(tl.pointer_type(flat_ptr.dtype.element_ty))
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for e in range(first, stop, BLOCK):
         idx = e + tl.arange(0, BLOCK)
         mask = idx < stop
-        tl.store(flat_ptr + offset - first + idx, tl.load(src + idx, mask=mask), mask=mask)
+        x = tl.load(src + idx, mask=mask, other=0.0)
+        bad = tl.maximum(bad, ((x - x) != 0).to(tl.int32))  # x - x is NaN for an infinite or NaN x
+        tl.store(flat_ptr + offset - first + idx, x, mask=mask)
+    tl.store(finite_ptr + s, 1.0 - tl.max(bad, axis=0).to(tl.float32))
+
+
+@triton.jit
+def _lerp(a, b, w):
+    """torch.lerp(a, b, w): a + w (b - a) for |w| < 0.5, else b - (b - a)(1 - w)."""
+    return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
+
+
+@triton.jit
+def _momentum_kernel(grad_ptr, mom_ptr, update_ptr, ok_ptr, beta_ptr, n, BLOCK: tl.constexpr):
+    """m <- lerp(m, g, ok (1 - beta)); update = lerp(g, m, beta); g is zeroed (in place) where ok is 0."""
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < n
+    ok = tl.load(ok_ptr)
+    keep = ok > 0
+    g = tl.where(keep, tl.load(grad_ptr + idx, mask=mask, other=0.0), 0.0)
+    skipped = (tl.zeros((BLOCK,), dtype=tl.float32) + ok) <= 0
+    tl.store(grad_ptr + idx, g, mask=mask & skipped)  # sanitised, as functional.sanitize (a skipped step only)
+    beta = tl.load(beta_ptr)
+    m = _lerp(tl.load(mom_ptr + idx, mask=mask), g, tl.where(keep, tl.load(beta_ptr + 1), 0.0))
+    tl.store(mom_ptr + idx, m, mask=mask)
+    tl.store(update_ptr + idx, _lerp(g, m, beta), mask=mask)
 
 
 @triton.jit
@@ -642,9 +670,25 @@ def _apply_kernel(addr_ptr, spans_ptr, delta_ptr, decay_ptr, BLOCK: tl.constexpr
 _SPAN_OPTIONS: dict[str, Any] = {"BLOCK": 1024, "num_warps": 4}
 
 
-def gather(addresses: torch.Tensor, spans: torch.Tensor, flat: torch.Tensor) -> None:
-    """Copy the tensors at ``addresses`` (int64, contiguous, ``flat``'s dtype) into ``flat`` (:func:`span_table`)."""
-    _gather_kernel[(spans.size(0),)](addresses, spans, flat, **_SPAN_OPTIONS)
+def gather(addresses: torch.Tensor, spans: torch.Tensor, flat: torch.Tensor, finite: torch.Tensor) -> None:
+    """Copy the tensors at ``addresses`` (int64, contiguous, ``flat``'s dtype) into ``flat`` (:func:`span_table`).
+
+    ``finite`` (float32, one per span) gets 1.0 for a span without infinite or NaN elements, else 0.0.
+    """
+    _gather_kernel[(spans.size(0),)](addresses, spans, flat, finite, **_SPAN_OPTIONS)
+
+
+def momentum_update(
+    grad: torch.Tensor, momentum: torch.Tensor, update: torch.Tensor, ok: torch.Tensor, betas: torch.Tensor
+) -> None:
+    """The Muon momentum and Nesterov update in one pass (``functional.nesterov_momentum_``).
+
+    ``betas``: ``[beta, 1 - beta]`` in the vectors' dtype; ``ok``: the 0-dim float32 finite
+    gate (0: the momentum stays, ``grad`` is zeroed in place as ``functional.sanitize`` would).
+    """
+    n = grad.numel()
+    block = _SPAN_OPTIONS["BLOCK"]
+    _momentum_kernel[(triton.cdiv(n, block),)](grad, momentum, update, ok, betas, n, BLOCK=block, num_warps=4)
 
 
 def apply_updates(addresses: torch.Tensor, spans: torch.Tensor, delta: torch.Tensor, decays: torch.Tensor) -> None:
@@ -751,7 +795,8 @@ def _compile(key: tuple[Any, ...], device: torch.device) -> None:
         _magma_partial_kernel.warmup(vec, vec, i64, f32, 2, BLOCK=1024, grid=(1,))
         _magma_finish_kernel.warmup(i64, f32, 2, f32, f32, f32, vec[0], f32[0], **_MAGMA_OPTIONS, grid=(1,))
     elif kind == "spans":
-        _gather_kernel.warmup(i64, i64, vec, **_SPAN_OPTIONS, grid=(1,))
+        _gather_kernel.warmup(i64, i64, vec, f32, **_SPAN_OPTIONS, grid=(1,))
+        _momentum_kernel.warmup(vec, vec, vec, f32, vec, 16, BLOCK=_SPAN_OPTIONS["BLOCK"], num_warps=4, grid=(1,))
         _apply_kernel.warmup(i64, i64, vec, vec, **_SPAN_OPTIONS, enable_fp_fusion=False, grid=(1,))
     elif kind == "panel":
         bm = key[1]

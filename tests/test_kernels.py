@@ -181,8 +181,15 @@ def test_gather_and_apply_match_torch_bitwise(kernels, dtype):
     decay_index = [0, 1, 2, 1]
     spans = torch.tensor(K.span_table(sizes, decay_index), dtype=torch.int64, device=device)
     flat = torch.full((sum(sizes),), float("nan"), dtype=dtype, device=device)
-    K.gather(torch.tensor([g.data_ptr() for g in grads], device=device), spans, flat)
+    finite = torch.full((spans.size(0),), -1.0, device=device)
+    addresses = torch.tensor([g.data_ptr() for g in grads], device=device)
+    K.gather(addresses, spans, flat, finite)
     assert torch.equal(flat, torch.cat(grads))
+    assert finite.tolist() == [1.0] * spans.size(0)
+    grads[2][K.SPAN + 1] = float("inf")  # in the second span of the third tensor
+    grads[0][4] = float("nan")
+    K.gather(addresses, spans, flat, finite)
+    assert finite.tolist() == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
 
     decays = torch.tensor([1.0, 0.999, 0.5], dtype=dtype, device=device)
     delta = torch.randn(sum(sizes), generator=gen, dtype=dtype).to(device)
@@ -190,6 +197,31 @@ def test_gather_and_apply_match_torch_bitwise(kernels, dtype):
     K.apply_updates(torch.tensor([p.data_ptr() for p in params], device=device), spans, delta, decays)
     for p, e in zip(params, expected, strict=True):
         assert torch.equal(p, e)  # two roundings, as torch's multiply then add: bitwise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_momentum_kernel_matches_the_reference(kernels, dtype):
+    K, device = kernels
+    gen = torch.Generator().manual_seed(8)
+    n = 3000
+    beta = 0.95
+    betas = torch.tensor([beta, 1.0 - beta], dtype=dtype, device=device)
+    for ok in (1.0, 0.0):
+        grad = torch.randn(n, generator=gen, dtype=dtype).to(device)
+        grad[7] = float("nan") if ok == 0.0 else grad[7]
+        mom = torch.randn(n, generator=gen, dtype=dtype).to(device)
+        ref_mom = mom.clone()
+        gate = torch.tensor(ok, device=device)
+        ref_update = F.nesterov_momentum_(ref_mom, F.sanitize(grad, gate), beta, gate)
+        update = torch.empty_like(mom)
+        K.momentum_update(grad, mom, update, gate, betas)
+        # torch's lerp formula; either side may fuse a multiply-add (vectorised CPU code, nvcc),
+        # which moves the result by about one rounding of the operands (|x| < 6 here), not of the result
+        tol = 8 * torch.finfo(dtype).eps * 6
+        torch.testing.assert_close(mom, ref_mom, rtol=0, atol=tol)
+        torch.testing.assert_close(update, ref_update, rtol=0, atol=tol)
+        if ok == 0.0:
+            assert torch.equal(grad, torch.zeros_like(grad))  # sanitised in place
 
 
 PARAMS = {
