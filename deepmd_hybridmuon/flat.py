@@ -3,26 +3,34 @@
 DeePMD models have many small matrices, so a per-tensor step is bound by kernel
 launches, not arithmetic. The engine keeps the per-parameter state as views of a few
 flat buffers (so ``state[p]["momentum_buffer"]`` etc. stay ordinary tensors in the
-built-in layout) and runs every elementwise rule once over a whole route:
+built-in layout) and runs every elementwise rule once over a whole route. One flat
+gradient buffer and one flat update buffer hold the Adam parameters first, then the Muon
+ones:
 
-* Adam/AdamW: one ``_foreach_copy_`` of the gradients into a flat buffer, a few flat
-  moment/denominator kernels, one ``_foreach_add_`` into the parameters;
-* Muon: the same gradient copy, flat momentum and Nesterov update, then per matrix a
-  factor (Muon scale x Magma x -lr) and the orthogonalised update times that factor:
+* in: the gradients are copied into the flat buffer and checked for non-finite values
+  (one ``_foreach_copy_`` and a two-pass check; with the Triton kernels, one launch that
+  reads every gradient through a table of addresses and flags each span);
+* Adam/AdamW: a few flat moment/denominator kernels into the update buffer;
+* Muon: momentum and Nesterov update (one kernel with Triton), then per matrix a factor
+  (Muon scale x Magma x -lr) and the orthogonalised update times that factor:
   - with ``flash_muon`` on CUDA, matrices whose smaller side is at most
     ``kernels.MAX_ROWS`` go to the Triton kernels of ``kernels.py`` (one launch per
     path, five for long matrices; Magma in two launches);
-  - the others are scattered (one index copy per bucket) into zero-padded
+  - the others are copied (one strided copy per parameter) into zero-padded
     ``(batch, M, N)`` stacks in wide orientation and orthogonalised by the torch
     functions of ``functional.py``, one call per bucket. Zero padding commutes with both
     Newton–Schulz variants in exact arithmetic (zero rows and columns stay zero; the Gram
-    matrix of the real rows is unchanged), so only rounding differs from the loop.
+    matrix of the real rows is unchanged), so only rounding differs from the loop;
+* out: ``p <- p * decay + update`` (a ``_foreach_mul_`` and a ``_foreach_add_``; with
+  the Triton kernels, one launch over a table of the parameters' addresses).
 
-On CUDA the arithmetic is captured once as a CUDA graph and replayed (see ``step``), each
-torch bucket on a stream of its own; the learning-rate dependent scalars live in a device
-tensor. No host synchronisation happens inside a step. The engine is rebuilt whenever what
-it was built from changes (parameters with gradients, names, routing options, a loaded
-state dict, the Triton kernels becoming ready).
+On CUDA the arithmetic is captured once as a CUDA graph and replayed (see ``step``). Each
+torch bucket runs on a stream of its own and starts as soon as the Nesterov update exists,
+alongside Adam, Magma and the Triton launches; the learning-rate dependent scalars (and the
+gradients' addresses) reach the device in one copy from pinned memory. No host
+synchronisation happens inside a step. The engine is rebuilt whenever what it was built
+from changes (parameters with gradients, names, routing options, a loaded state dict, the
+Triton kernels becoming ready).
 """
 
 from __future__ import annotations

@@ -30,6 +30,11 @@ into column panels instead (:func:`orthogonalize_panels`, five launches).
 Magma (:func:`magma_factors`): one program per chunk sums m*g, m*m and g*g over its range
 of the flat vectors, then one program per block adds its chunks in order (deterministic),
 updates the block's score and writes the block's factor.
+
+Around them (:func:`gather`, :func:`momentum_update`, :func:`apply_updates`): the gradients
+are read into the flat buffer through a table of their addresses (flagging non-finite
+spans), the momentum and Nesterov update take one pass, and ``p <- p * decay + update``
+is written into every parameter through a table of their addresses.
 """
 
 from __future__ import annotations

@@ -236,7 +236,8 @@ class HybridMuonOptimizer(Optimizer):
     flash_muon
         Triton kernels (:mod:`deepmd_hybridmuon.kernels`) for the flat engine on CUDA: one
         launch orthogonalises every Muon matrix with a smaller side <= 128, one computes
-        Magma; compiled in the background on first use. ``False``: batched torch kernels.
+        Magma, three copy the gradients in, update the momentum and write the parameters;
+        compiled in the background on first use. ``False``: batched torch kernels.
     magma_muon
         Magma-lite damping of Muon updates.
     use_foreach
