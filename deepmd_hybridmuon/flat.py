@@ -496,7 +496,7 @@ class GroupEngine:
         muon_decay, neg_lr, adamw_decay, neg_step, bc2 = self.scalars.to(self.dtype).unbind(0)
         # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
         # Nesterov update exists; captured, it runs on side streams while the main stream does
-        # Adam, the weight decay, Magma and the Triton launches (see _orthogonalize_buckets).
+        # Adam, the weight decay, Magma and the Triton launches (see _muon_update).
         pending = self._muon_update(ok) if self.muon else None
         muon_decay = F.gate_factor(muon_decay, ok, self.dtype)
         adamw_decay = F.gate_factor(adamw_decay, ok, self.dtype)
