@@ -302,6 +302,25 @@ def test_engine_reads_non_contiguous_gradients(kernels):
     assert err < 3e-2, err  # same bound and reason as the Newton-Schulz kernel test
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_engine_with_kernels_skips_a_non_finite_step(kernels, bad):
+    """The gradient copy flags the non-finite span; nothing moves: parameters, moments, momentum, Magma."""
+    _, device = kernels
+    _, opt = _train(device, True, steps=2)  # the Triton path (the interpreter on a CPU)
+    assert opt._engines[0].triton
+    params = opt.param_groups[0]["params"]
+    before = [p.detach().clone() for p in params]
+    state = {(i, k): v.clone() for i, p in enumerate(params) for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    gen = torch.Generator().manual_seed(9)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    params[3].grad.view(-1)[-1] = bad  # the last element of one Muon matrix
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    after = {(i, k): v for i, p in enumerate(params) for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    assert all(torch.equal(after[key], v) for key, v in state.items())
+
+
 @pytest.mark.skipif(not CUDA, reason="Triton compiles only for a GPU")
 def test_first_steps_take_the_torch_path_while_triton_compiles(kernels, monkeypatch):
     K, device = kernels
