@@ -3,11 +3,13 @@
 
 Per config: the kernels of one eager step (count and top GPU time), then, with the CUDA
 graph on, the host time of ``step()`` (everything before the replay is host work the GPU
-waits for) and the GPU time of one graph replay.
+waits for) and the GPU time of one graph replay; with ``--timeline``, every kernel of one
+replay with its start (µs after the first), duration and stream, to see the critical path.
 
 Usage::
 
     python benchmarks/profile_step.py [--configs dpa3_water,se_e2_a_water] [--ours-kw magma_muon=False]
+    python benchmarks/profile_step.py --configs se_e2_a_water --timeline
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="dpa3_water,se_e2_a_water,dpa2_small_water")
     ap.add_argument("--ours-kw", action="append", default=[])
+    ap.add_argument("--timeline", action="store_true", help="list the kernels of one graph replay")
     args = ap.parse_args()
     kw = {"cuda_graph": False, **parse_kw(args.ours_kw, "--ours-kw")}
     device = torch.device("cuda")
@@ -55,11 +58,11 @@ def main() -> None:
         total = sum(e.device_time for e in events)
         print(f"## {name} ({kw}): {len(events)} kernels, {total / 1000:.3f} ms of GPU time")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-        print(graph_split(named, {**kw, "cuda_graph": True}))
+        print(graph_split(named, {**kw, "cuda_graph": True}, args.timeline))
 
 
-def graph_split(named: list, kw: dict) -> str:
-    """Median host time of ``step()`` and GPU time of a graph replay, graph on."""
+def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
+    """Median host time of ``step()`` and GPU time of a graph replay, graph on (and its kernels)."""
     params = [p for _, p in named]
     opt = HybridMuonOptimizer(params, named_parameters=named, **kw)
     grads = [torch.randn_like(p) for p in params]
@@ -105,7 +108,27 @@ def graph_split(named: list, kw: dict) -> str:
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             parts[key].append(dt * 1e3)
     split = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in parts.items())
-    return f"{line}\n  host parts (ms): {split}\n"
+    return f"{line}\n  host parts (ms): {split}\n" + (replay_timeline(engine.graph) if timeline else "")
+
+
+def replay_timeline(graph: torch.cuda.CUDAGraph) -> str:
+    """The kernels of one replay: start after the first kernel (µs), duration (µs), stream, name."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    rows = sorted(
+        (e.start_ns(), e.duration_ns(), e.device_resource_id(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type().name == "CUDA"
+    )
+    if not rows:
+        return "  (no kernels recorded)\n"
+    t0 = rows[0][0]
+    span = (max(s + d for s, d, _, _ in rows) - t0) / 1e3
+    lines = [f"  replay: {len(rows)} kernels over {span:.1f} us", "  start_us   dur_us  stream  kernel"]
+    lines += [f"  {(s - t0) / 1e3:8.1f} {d / 1e3:8.1f}  {st:>6}  {name[:90]}" for s, d, st, name in rows]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
