@@ -302,6 +302,30 @@ def test_engine_reads_non_contiguous_gradients(kernels):
     assert err < 3e-2, err  # same bound and reason as the Newton-Schulz kernel test
 
 
+def test_engine_with_kernels_decays_each_route_as_the_loop(kernels):
+    """The update kernel's decay table: AdamW parameters, Muon matrices and plain Adam ones each get their own."""
+    _, device = kernels
+    shapes = {"fit.bias": (30,), "desc.adamw_scale": (5, 7), "fit.matrix": (12, 20), "fit.idt": (12,)}
+    moved = []
+    for batched in (True, False):
+        gen = torch.Generator().manual_seed(10)
+        params = {k: torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for k, s in shapes.items()}
+        opt = HybridMuonOptimizer(
+            list(params.values()), lr=1e-2, weight_decay=0.5, named_parameters=params.items(), batched=batched
+        )
+        for _ in range(3):
+            for p in params.values():
+                p.grad = torch.randn(p.shape, generator=gen).to(device)
+            opt.step()
+        if batched:
+            assert opt._engines[0].triton
+        moved.append({k: p.detach().clone() for k, p in params.items()})
+    for name in ("fit.bias", "desc.adamw_scale", "fit.idt"):  # elementwise routes: float32 rounding only
+        torch.testing.assert_close(moved[0][name], moved[1][name], rtol=1e-5, atol=1e-6)
+    err = ((moved[0]["fit.matrix"] - moved[1]["fit.matrix"]).norm() / moved[1]["fit.matrix"].norm()).item()
+    assert err < 1e-2, err  # Newton-Schulz rounding on a 2 % per-step decay (see the kernel test's bound)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_engine_with_kernels_skips_a_non_finite_step(kernels, bad):
     """The gradient copy flags the non-finite span; nothing moves: parameters, moments, momentum, Magma."""
