@@ -176,6 +176,7 @@ class GroupEngine:
         self.grad = torch.zeros(sum(numels), dtype=dtype, device=dev)
         self.delta = torch.zeros_like(self.grad)
         self.grad_views = _split_views(self.grad, self.staged)
+        self.delta_views = _split_views(self.delta, self.staged)
         self.step_grads = [p.grad for p in self.staged]
         self._build_adam(optimizer.state)
         self._build_muon(optimizer.state, group)
@@ -274,7 +275,6 @@ class GroupEngine:
         self.exp_avg_sq = torch.zeros(n, **kw)
         self.adam_delta = self.delta[:n]
         self.adam_grad = self.grad[:n]
-        self.adam_delta_views = _split_views(self.adam_delta, self.adam)
         fresh = [p for p in self.adam if "exp_avg" not in state[p]]
         self._adopt(state, self.adam, "exp_avg", self.exp_avg)
         self._adopt(state, self.adam, "exp_avg_sq", self.exp_avg_sq)
@@ -295,7 +295,6 @@ class GroupEngine:
         self._adopt(state, params, "momentum_buffer", self.momentum)
         self.muon_delta = self.delta[self.delta.numel() - n :]
         self.muon_grad = self.grad[self.grad.numel() - n :]
-        self.muon_delta_views = _split_views(self.muon_delta, params)
 
         # Blocks (one per matrix of each view) and their per-block Muon scale.
         lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
@@ -503,14 +502,23 @@ class GroupEngine:
         muon_decay = F.gate_factor(muon_decay, ok, self.dtype)
         adamw_decay = F.gate_factor(adamw_decay, ok, self.dtype)
         if self.adam:
-            if self.adamw and self.weight_decay and not self.triton:
-                torch._foreach_mul_(self.adamw, adamw_decay)
             self._adam(neg_step.float() * ok, bc2.float(), ok)
         if pending is not None:
-            self._muon(muon_decay, neg_lr * ok.to(self.dtype), ok, *pending)
-        if self.triton:  # p <- p * decay + delta for every parameter, in one pass
+            self._muon(neg_lr * ok.to(self.dtype), ok, *pending)
+        self._apply(muon_decay, adamw_decay)
+
+    def _apply(self, muon_decay: torch.Tensor, adamw_decay: torch.Tensor) -> None:
+        """p <- p * decay + delta for every parameter (decay: Muon's, AdamW's, or none for Adam)."""
+        if self.triton:  # one pass
             decays = torch.stack([torch.ones_like(muon_decay), muon_decay, adamw_decay])
             self._kernels().apply_updates(self.param_addresses, self.spans, self.delta, decays)
+            return
+        if self.weight_decay:
+            if self.adamw:
+                torch._foreach_mul_(self.adamw, adamw_decay)
+            if self.muon:
+                torch._foreach_mul_([p for p, _ in self.muon], muon_decay)
+        torch._foreach_add_(self.staged, self.delta_views)
 
     def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor, ok: torch.Tensor) -> None:
         beta1, beta2 = self.betas
@@ -520,8 +528,6 @@ class GroupEngine:
         denom = (self.exp_avg_sq / bc2).sqrt_().add_(F.ADAM_EPS)
         torch.div(self.exp_avg, denom, out=denom)
         self.adam_delta.copy_(denom.mul_(neg_step))
-        if not self.triton:
-            torch._foreach_add_(self.adam, self.adam_delta_views)
 
     def _muon_update(self, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Momentum and Nesterov update of every Muon matrix; starts the torch buckets on it.
@@ -555,17 +561,12 @@ class GroupEngine:
 
     def _muon(
         self,
-        decay: torch.Tensor,
         neg_lr: torch.Tensor,
         ok: torch.Tensor,
         grads: torch.Tensor,
         update: torch.Tensor,
         stacks: list[torch.Tensor],
     ) -> None:
-        params = [p for p, _ in self.muon]
-        if self.weight_decay and not self.triton:
-            torch._foreach_mul_(params, decay)
-
         factor = self.block_factor  # per block: Muon scale x Magma multiplier x -lr
         if self.magma_kernel:
             self._kernels().magma_factors(
@@ -624,5 +625,3 @@ class GroupEngine:
             main = torch.cuda.current_stream(self.device)
             for side in self.side_streams:
                 main.wait_stream(side)
-        if not self.triton:
-            torch._foreach_add_(params, self.muon_delta_views)
