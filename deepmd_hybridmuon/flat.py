@@ -119,6 +119,24 @@ class _Fused:
     inv: torch.Tensor | None = None
 
 
+@dataclass
+class _Phased:
+    """Matrices of one path too large for one program: phased tiles (``kernels.orthogonalize_phased``)."""
+
+    use_gram: bool
+    matrices: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    # (flat offset, m, n, row stride, column stride, block) in the wide orientation
+    meta: torch.Tensor | None = None
+    square: torch.Tensor | None = None
+    wide: torch.Tensor | None = None
+    phases: int = 0
+    partial: torch.Tensor | None = None
+    work: torch.Tensor | None = None
+    coefs: torch.Tensor | None = None
+    counter: torch.Tensor | None = None
+    programs: int = 1
+
+
 #: Eager steps before a CUDA graph of the step is captured (lets cuBLAS and the caching
 #: allocator settle, as torch's CUDA-graph notes advise).
 GRAPH_WARMUP = 2
@@ -319,16 +337,21 @@ class GroupEngine:
         # layout (in the background, kernels.prepare) every matrix takes the torch path.
         use_gram = bool(group["enable_gram"])
         K = self._kernels() if self.fused else None
-        fused, buckets = self._assign(K, use_gram)
+        fused, phased, buckets = self._assign(K, use_gram)
         self.compiling: threading.Event | None = None
         if K is not None:
-            ready = K.prepare(self.device, self.dtype, [(f.use_gram, f.rows, f.cols) for f in fused], self.magma)
+            paths = [(f.use_gram, f.rows, f.cols) for f in fused]
+            paths += [(g.use_gram, K.MAX_PHASED_ROWS, K.MAX_PHASED_ROWS) for g in phased]
+            ready = K.prepare(self.device, self.dtype, paths, self.magma)
             if ready is None or not ready.is_set():  # compiling, or a kernel failed to compile
                 self.compiling, K = ready, None
-                fused, buckets = self._assign(None, use_gram)
+                fused, phased, buckets = self._assign(None, use_gram)
         for f in fused:
             self._build_fused(K, f)
         self.fused_paths = fused
+        for g in phased:
+            self._build_phased(K, g, len(phased))
+        self.phased_paths = phased
         self.triton = K is not None  # also copies the gradients in and applies the updates
         self.magma_kernel = self.triton and self.magma
         if self.magma_kernel:
@@ -340,9 +363,14 @@ class GroupEngine:
             self._build_bucket(b)
         self.buckets = buckets
 
-    def _assign(self, K: Any, use_gram: bool) -> tuple[list[_Fused], list[_Bucket]]:
-        """Group the matrices into Triton launches (``K`` given) and torch buckets."""
+    def _assign(self, K: Any, use_gram: bool) -> tuple[list[_Fused], list[_Phased], list[_Bucket]]:
+        """Group the matrices into Triton launches (``K`` given) and torch buckets.
+
+        With ``K``: one program per matrix up to ``K.MAX_ROWS``, phased tiles up to
+        ``K.MAX_PHASED_ROWS``; the rest (everything without ``K``) into torch buckets.
+        """
         fused: dict[tuple[bool, bool], _Fused] = {}
+        phased: dict[bool, _Phased] = {}
         buckets: dict[tuple[bool, int], _Bucket] = {}
         offset = block = 0
         for _, (bs, rows, cols) in self.muon:
@@ -356,6 +384,10 @@ class GroupEngine:
                 for i in range(bs):
                     f.meta.append([offset + i * rows * cols, f.size, small, large, *strides, block + i, 0])
                     f.size += rows * cols
+            elif K is not None and small <= K.MAX_PHASED_ROWS:
+                g = phased.setdefault(gram, _Phased(gram))
+                strides = (1, small) if rows > cols else (large, 1)
+                g.matrices += [(offset + i * rows * cols, small, large, *strides, block + i) for i in range(bs)]
             else:
                 b = buckets.setdefault((gram, bucket_key(small, self.device)), _Bucket(gram))
                 b.members.append((offset, bs, rows, cols, b.batch, rows > cols))
@@ -364,7 +396,7 @@ class GroupEngine:
                 b.rows, b.cols = max(b.rows, small), max(b.cols, large)
             block += bs
             offset += bs * rows * cols
-        return list(fused.values()), list(buckets.values())
+        return list(fused.values()), list(phased.values()), list(buckets.values())
 
     def _build_fused(self, K: Any, f: _Fused) -> None:
         """Device tables and workspaces of one Triton launch group."""
@@ -382,6 +414,29 @@ class GroupEngine:
             f.partial = torch.zeros(len(panels), bm, bm, dtype=torch.float32, **kw)
             f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
             f.inv = torch.zeros(len(f.meta), dtype=torch.float32, **kw)
+
+    def _build_phased(self, K: Any, g: _Phased, groups: int) -> None:
+        """Tables, workspaces and grid of one phased group (``groups`` of them may run at once)."""
+        kw = {"device": self.device}
+        meta, square, wide, size = K.phased_layout(g.matrices, g.use_gram)
+        g.meta, g.square, g.wide = (torch.tensor(x, dtype=torch.int64, **kw) for x in (meta, square, wide))
+        g.phases = K.phase_count(g.use_gram)
+        g.partial = torch.zeros(len(wide), dtype=torch.float32, **kw)
+        g.work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if g.use_gram else K.STANDARD_WORK_DTYPE, **kw)
+        g.coefs = K.coefficient_table(g.use_gram, self.device)
+        g.counter = torch.zeros(1, dtype=torch.int32, **kw)
+        g.programs = max(len(square), len(wide))
+        if self.device.type == "cuda":  # every program resident at once, with the other groups'
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            g.programs = max(1, min(g.programs, sms // groups))
+
+    def _phased(self, g: _Phased, update: torch.Tensor, factor: torch.Tensor, last: bool) -> None:
+        """All phases of ``g`` but the last (``last`` False), or the last one (the output)."""
+        n = g.phases
+        self._kernels().orthogonalize_phased(
+            update, self.muon_delta, g.work, g.meta, g.square, g.wide, g.partial, g.coefs, factor,
+            g.counter, g.programs, g.use_gram, first=n - 1 if last else 0, stop=n if last else n - 1,
+        )  # fmt: skip
 
     def _build_bucket(self, b: _Bucket) -> None:
         """Index maps into and out of a torch bucket's zero-padded stack, and the stack."""
@@ -476,10 +531,11 @@ class GroupEngine:
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        # Captured, each torch bucket runs on a stream of its own (see _muon_update), at high
-        # priority: its chain of ~50 small kernels is the step's critical path (3 % faster steps
-        # on the H100, BENCHMARKS.md).
-        self.side_streams = [torch.cuda.Stream(self.device, priority=-1) for _ in self.buckets]
+        # Captured, each torch bucket and phased group runs on a stream of its own (see
+        # _muon_update), at high priority: these chains are the step's critical path (3 % faster
+        # steps on the H100 for the buckets, BENCHMARKS.md).
+        sides = len(self.buckets) + len(self.phased_paths)
+        self.side_streams = [torch.cuda.Stream(self.device, priority=-1) for _ in range(sides)]
         try:
             with torch.cuda.graph(graph):
                 self._compute()
@@ -549,6 +605,9 @@ class GroupEngine:
                     view = update[off : off + bs * rows * cols].view(bs, rows, cols)
                     part.copy_(view.mT if tall else view)
                 stacks.append(F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack))
+        for j, g in enumerate(self.phased_paths):
+            with self._side(len(self.buckets) + j):
+                self._phased(g, update, self.block_factor, last=False)
         return grads, update, stacks
 
     def _side(self, i: int) -> contextlib.AbstractContextManager:
@@ -610,6 +669,9 @@ class GroupEngine:
                 for boff, bs, delta in b.outputs:
                     part = out[boff : boff + bs, : delta.size(1), : delta.size(2)]
                     torch.mul(part, scale[boff : boff + bs], out=delta)
+        for j, g in enumerate(self.phased_paths):
+            with self._side(len(self.buckets) + j):
+                self._phased(g, update, factor, last=True)
         K = self._kernels() if self.fused_paths else None
         for f in self.fused_paths:
             if f.panelled:

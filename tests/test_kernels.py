@@ -140,6 +140,47 @@ def test_panel_kernels_match_the_reference(kernels):
         assert err < 3e-2, (STREAMED[i], err)
 
 
+# Matrices of the phased path: smaller sides spanning several 64-row tiles, not multiples
+# of 64; wide, tall, square and a short one (small sizes: the interpreter is slow).
+PHASED = [(70, 150), (150, 70), (72, 72), (20, 33)]
+
+
+@pytest.mark.parametrize("use_gram", [False, True], ids=["standard", "gram"])
+def test_phased_kernel_matches_the_reference(kernels, use_gram):
+    """One persistent launch with grid barriers (GPU), or one launch per phase (interpreter)."""
+    K, device = kernels
+    schedule = K.phased_schedule(use_gram)
+    for row in schedule:  # no product writes a slot it reads
+        if row[0] == 2:
+            assert row[1] not in (row[2], row[3], row[5] if row[6] else None), row
+    gen = torch.Generator().manual_seed(3)
+    shapes = [s for s in PHASED if not use_gram or s[0] != s[1]]  # square matrices: standard only
+    mats = [torch.randn(s, generator=gen, dtype=torch.float64).to(device) for s in shapes]
+    matrices, offset = [], 0
+    for block, (rows, cols) in enumerate(shapes):
+        small, large = min(rows, cols), max(rows, cols)
+        matrices.append((offset, small, large, *((1, small) if rows > cols else (large, 1)), block))
+        offset += rows * cols
+    meta, square, wide, size = K.phased_layout(matrices, use_gram)
+    src = torch.cat([m.reshape(-1) for m in mats])
+    dst = torch.full_like(src, float("nan"))
+    table = [torch.tensor(x, dtype=torch.int64, device=device) for x in (meta, square, wide)]
+    work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if use_gram else K.STANDARD_WORK_DTYPE, device=device)
+    partial = torch.zeros(len(wide), device=device)
+    coefs, factor = K.coefficient_table(use_gram, device), torch.arange(1.0, len(shapes) + 1.0, device=device)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    for first, stop in ((0, len(schedule) - 1), (len(schedule) - 1, len(schedule))):  # as the engine runs it
+        K.orthogonalize_phased(
+            src, dst, work, *table, partial, coefs, factor, counter, 7, use_gram, first=first, stop=stop
+        )
+    for i, (g, out) in enumerate(zip(mats, dst.split([m.numel() for m in mats]), strict=True)):
+        ref = F.orthogonalize(g[None], use_gram)[0].double() * (i + 1)
+        err = ((out.view_as(g) - ref).norm() / ref.norm()).item()
+        # Same bound and reason as the Newton-Schulz kernel test (each product rounded to
+        # 8 or 11 bits, in another summation order than cuBLAS).
+        assert err < 3e-2, (shapes[i], err)
+
+
 def test_magma_kernel_matches_the_reference(kernels):
     K, device = kernels
     gen = torch.Generator().manual_seed(1)
@@ -232,7 +273,7 @@ PARAMS = {
     "fit.layers.2.matrix": (24, 1),
     "rep.linear.weight": (3, 16, 20),
     "fit.long.matrix": (40, 300),  # too long to stay in registers: panels (Gram) or streamed
-    # smaller side above MAX_ROWS: two torch buckets (Gram and standard) in the same step
+    # smaller side above MAX_ROWS: two phased groups (Gram and standard) in the same step
     "big.matrix": (160, 136),
     "big.square": (144, 144),
 }
@@ -258,7 +299,7 @@ def _train(device, batched, dtype=torch.float32, steps=3, **options):
         (True, True, torch.float32, False),
         (False, False, torch.float32, False),
         (True, False, torch.float64, False),
-        # captured (after two eager steps): Triton launches and the torch path on two streams
+        # captured (after two eager steps): Triton launches and the phased groups on side streams
         pytest.param(True, True, torch.float32, True, marks=pytest.mark.skipif(not CUDA, reason="CUDA graphs")),
         pytest.param(False, True, torch.float64, True, marks=pytest.mark.skipif(not CUDA, reason="CUDA graphs")),
     ],
@@ -272,7 +313,8 @@ def test_engine_with_kernels_matches_the_loop(kernels, enable_gram, magma_muon, 
     engine = opt._engines[0]
     assert engine.fused_paths, "the Triton path did not run"
     assert any(f.panelled for f in engine.fused_paths) == enable_gram
-    assert engine.buckets, "the matrix above MAX_ROWS did not take the torch path"
+    assert {g.use_gram for g in engine.phased_paths} == {enable_gram, False}, "sides > MAX_ROWS: not phased"
+    assert not engine.buckets
     assert (engine.graph is not None) == graph
     for name, r in ref.items():
         err = ((fast[name] - r).norm() / r.norm()).item()
