@@ -124,11 +124,10 @@ class _Phased:
     """Matrices of one path too large for one program: phased tiles (``kernels.orthogonalize_phased``)."""
 
     use_gram: bool
+    shape: tuple[int, int]  # the padded (m, n) of every matrix of the group (kernels.padded)
     matrices: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
     # (flat offset, m, n, row stride, column stride, block) in the wide orientation
     meta: torch.Tensor | None = None
-    square: torch.Tensor | None = None
-    wide: torch.Tensor | None = None
     phases: int = 0
     partial: torch.Tensor | None = None
     work: torch.Tensor | None = None
@@ -341,7 +340,7 @@ class GroupEngine:
         self.compiling: threading.Event | None = None
         if K is not None:
             paths = [(f.use_gram, f.rows, f.cols) for f in fused]
-            paths += [(g.use_gram, K.MAX_PHASED_ROWS, K.MAX_PHASED_ROWS) for g in phased]
+            paths += [(g.use_gram, *g.shape) for g in phased]
             ready = K.prepare(self.device, self.dtype, paths, self.magma)
             if ready is None or not ready.is_set():  # compiling, or a kernel failed to compile
                 self.compiling, K = ready, None
@@ -370,7 +369,7 @@ class GroupEngine:
         ``K.MAX_PHASED_ROWS``; the rest (everything without ``K``) into torch buckets.
         """
         fused: dict[tuple[bool, bool], _Fused] = {}
-        phased: dict[bool, _Phased] = {}
+        phased: dict[tuple[bool, int, int], _Phased] = {}
         buckets: dict[tuple[bool, int], _Bucket] = {}
         offset = block = 0
         for _, (bs, rows, cols) in self.muon:
@@ -385,7 +384,8 @@ class GroupEngine:
                     f.meta.append([offset + i * rows * cols, f.size, small, large, *strides, block + i, 0])
                     f.size += rows * cols
             elif K is not None and small <= K.MAX_PHASED_ROWS:
-                g = phased.setdefault(gram, _Phased(gram))
+                shape = (K.padded(small), K.padded(large))
+                g = phased.setdefault((gram, *shape), _Phased(gram, shape))
                 strides = (1, small) if rows > cols else (large, 1)
                 g.matrices += [(offset + i * rows * cols, small, large, *strides, block + i) for i in range(bs)]
             else:
@@ -418,14 +418,15 @@ class GroupEngine:
     def _build_phased(self, K: Any, g: _Phased, groups: int) -> None:
         """Tables, workspaces and grid of one phased group (``groups`` of them may run at once)."""
         kw = {"device": self.device}
-        meta, square, wide, size = K.phased_layout(g.matrices, g.use_gram)
-        g.meta, g.square, g.wide = (torch.tensor(x, dtype=torch.int64, **kw) for x in (meta, square, wide))
+        meta, size = K.phased_layout(g.matrices, g.use_gram)
+        g.meta = torch.tensor(meta, dtype=torch.int64, **kw)
         g.phases = K.phase_count(g.use_gram)
-        g.partial = torch.zeros(len(wide), dtype=torch.float32, **kw)
+        tiles = len(meta) * K.phased_tiles(*g.shape)  # the largest phase: one m x n tile each
+        g.partial = torch.zeros(tiles, dtype=torch.float32, **kw)
         g.work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if g.use_gram else K.STANDARD_WORK_DTYPE, **kw)
         g.coefs = K.coefficient_table(g.use_gram, self.device)
         g.counter = torch.zeros(1, dtype=torch.int32, **kw)
-        g.programs = max(len(square), len(wide))
+        g.programs = tiles
         if self.device.type == "cuda":  # every program resident at once, with the other groups'
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             g.programs = max(1, min(g.programs, sms // groups))
@@ -434,7 +435,7 @@ class GroupEngine:
         """All phases of ``g`` but the last (``last`` False), or the last one (the output)."""
         n = g.phases
         self._kernels().orthogonalize_phased(
-            update, self.muon_delta, g.work, g.meta, g.square, g.wide, g.partial, g.coefs, factor,
+            update, self.muon_delta, g.work, g.meta, g.shape, g.partial, g.coefs, factor,
             g.counter, g.programs, g.use_gram, first=n - 1 if last else 0, stop=n if last else n - 1,
         )  # fmt: skip
 

@@ -68,12 +68,14 @@ __all__ = [
     "orthogonalize_blocks",
     "orthogonalize_panels",
     "orthogonalize_phased",
+    "padded",
     "panel_block",
     "panel_table",
     "panelled",
     "phase_count",
     "phased_layout",
     "phased_schedule",
+    "phased_tiles",
     "prepare",
     "resident",
     "span_table",
@@ -618,138 +620,137 @@ _MAGMA_OPTIONS: dict[str, Any] = {
 MAX_PHASED_ROWS: int = 512
 #: Output tile and reduction chunk of the phased products.
 TILE: int = 64
-#: Integers per matrix in the phased metadata table: source offset, workspace offset, m, n,
-#: row stride, column stride, block index, first m x n tile, padded m, padded n.
-PHASED_META_COLS: int = 10
+#: Integers per matrix in the phased metadata table: source offset, m, n, row stride,
+#: column stride, block index. A group holds matrices of one padded shape (MP x NP, whole
+#: tiles), a compile-time constant of its kernel: every workspace address is then known to
+#: the compiler up to the matrix index, so the tile loads are contiguous and aligned.
+PHASED_META_COLS: int = 6
 #: m x m workspace slots per matrix, after the two m x n slots.
 PHASED_SQUARE_SLOTS: dict[bool, int] = {False: 2, True: 5}
-#: Integers per phase: kind (0 norm, 1 normalise, 2 product), out, L, M, M transposed, C,
-#: alpha, beta (0: none or 1.0, else the coefficient column + 1), iteration, Q slot (0: none),
-#: output m x m, unused.
+#: Integers per phase of :func:`phased_schedule`: kind (0 norm, 1 normalise, 2 product),
+#: out, L, M, M transposed, C, alpha, beta (0: none or 1.0, else the coefficient column + 1),
+#: iteration, Q slot (0: none), output m x m, unused.
 PHASE_COLS: int = 12
 #: The output vector, as the ``out`` of the last product.
 DST: int = -2
 
 
 @triton.jit
-def _phased_slot(work_ptr, meta_ptr, i, SLOT: tl.constexpr):
-    """Base pointer and row stride of workspace slot ``SLOT`` of matrix ``i``.
-
-    Padded sizes are multiples of :data:`TILE` (so are all offsets): the hints let the
-    tile loads be vectorised.
-    """
-    work_off = tl.load(meta_ptr + i * 10 + 1)
-    mp = tl.multiple_of(tl.load(meta_ptr + i * 10 + 8), 64)
-    np_ = tl.multiple_of(tl.load(meta_ptr + i * 10 + 9), 64)
-    if SLOT < 2:
-        return work_ptr + tl.multiple_of(work_off + SLOT * mp * np_, 64), np_
-    return work_ptr + tl.multiple_of(work_off + 2 * mp * np_ + (SLOT - 2) * mp * mp, 64), mp
+def _slot_ptr(work_ptr, i, SLOT: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, SQUARES: tl.constexpr):
+    """Start of workspace slot ``SLOT`` of matrix ``i`` (row stride NP for slots 0 and 1, else MP)."""
+    slab: tl.constexpr = 2 * MP * NP + SQUARES * MP * MP
+    offset: tl.constexpr = SLOT * MP * NP if SLOT < 2 else 2 * MP * NP + (SLOT - 2) * MP * MP
+    return work_ptr + i * slab + offset
 
 
 @triton.jit
-def _tile(base, stride, r0, c0, BM: tl.constexpr):
+def _tile(base, r0, c0, STRIDE: tl.constexpr, BM: tl.constexpr):
     """A BM x BM tile of a padded slot (no mask: slots are padded to whole tiles)."""
-    rows = tl.multiple_of(r0, BM) + tl.arange(0, BM)
-    cols = tl.multiple_of(c0, BM) + tl.arange(0, BM)
-    return tl.load(base + rows[:, None] * stride + cols[None, :], cache_modifier=".cg")
+    rows = r0 + tl.arange(0, BM)
+    cols = c0 + tl.arange(0, BM)
+    return tl.load(base + rows[:, None] * STRIDE + cols[None, :], cache_modifier=".cg")
 
 
 @triton.jit
 def _source_meta(meta_ptr, i):
-    return (
-        tl.load(meta_ptr + i * 10),
-        tl.load(meta_ptr + i * 10 + 2),
-        tl.load(meta_ptr + i * 10 + 3),
-        tl.load(meta_ptr + i * 10 + 4),
-        tl.load(meta_ptr + i * 10 + 5),
-    )
+    row = meta_ptr + i * 6
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
 
 
 @triton.jit
-def _norm_tiles(src_ptr, meta_ptr, wide_ptr, n_wide, partial_ptr, BM: tl.constexpr):
+def _wide_tile(t, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
+    """Matrix, first row and first column of m x n tile ``t``."""
+    per: tl.constexpr = (MP // BM) * (NP // BM)
+    rem = t % per
+    return t // per, (rem // (NP // BM)) * BM, (rem % (NP // BM)) * BM
+
+
+@triton.jit
+def _norm_tiles(src_ptr, meta_ptr, count, partial_ptr, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
     """Phase 0: the sum of squares of G over each m x n tile."""
-    for t in range(tl.program_id(0), n_wide, tl.num_programs(0)):
-        i = tl.load(wide_ptr + 3 * t)
-        rows = tl.load(wide_ptr + 3 * t + 1) + tl.arange(0, BM)
-        cols = tl.load(wide_ptr + 3 * t + 2) + tl.arange(0, BM)
+    for t in range(tl.program_id(0), count * (MP // BM) * (NP // BM), tl.num_programs(0)):
+        i, r0, c0 = _wide_tile(t, MP, NP, BM)
         src_off, m, n, s_r, s_c = _source_meta(meta_ptr, i)
-        g = _load_chunk(src_ptr + src_off, rows, cols, m, n, s_r, s_c).to(tl.float32)
+        g = _load_chunk(src_ptr + src_off, r0 + tl.arange(0, BM), c0 + tl.arange(0, BM), m, n, s_r, s_c)
+        g = g.to(tl.float32)
         tl.store(partial_ptr + t, tl.sum(g * g))
 
 
 @triton.jit
 def _normalise_tiles(
-    src_ptr, work_ptr, meta_ptr, wide_ptr, n_wide, partial_ptr, eps, X0: tl.constexpr, GRAM: tl.constexpr,
-    BM: tl.constexpr,
+    src_ptr, work_ptr, meta_ptr, count, partial_ptr, eps, X0: tl.constexpr, GRAM: tl.constexpr,
+    MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
-    """Phase 1: X0 = G / ||G|| into slot ``X0`` (the partial sums added in order)."""
-    for t in range(tl.program_id(0), n_wide, tl.num_programs(0)):
-        i = tl.load(wide_ptr + 3 * t)
-        rows = tl.load(wide_ptr + 3 * t + 1) + tl.arange(0, BM)
-        cols = tl.load(wide_ptr + 3 * t + 2) + tl.arange(0, BM)
+    """Phase 1: X0 = G / ||G|| into slot ``X0`` (the matrix's partial sums added in order)."""
+    per: tl.constexpr = (MP // BM) * (NP // BM)
+    for t in range(tl.program_id(0), count * per, tl.num_programs(0)):
+        i, r0, c0 = _wide_tile(t, MP, NP, BM)
         src_off, m, n, s_r, s_c = _source_meta(meta_ptr, i)
-        first = tl.load(meta_ptr + i * 10 + 7)
-        count = (tl.load(meta_ptr + i * 10 + 8) // BM) * (tl.load(meta_ptr + i * 10 + 9) // BM)
-        total = tl.load(partial_ptr + first, cache_modifier=".cg")
-        for j in range(1, count):
-            total += tl.load(partial_ptr + first + j, cache_modifier=".cg")
+        total = tl.load(partial_ptr + i * per, cache_modifier=".cg")
+        for j in tl.static_range(1, per):
+            total += tl.load(partial_ptr + i * per + j, cache_modifier=".cg")
+        rows = r0 + tl.arange(0, BM)
+        cols = c0 + tl.arange(0, BM)
         g = _load_chunk(src_ptr + src_off, rows, cols, m, n, s_r, s_c).to(tl.float32)
-        base, stride = _phased_slot(work_ptr, meta_ptr, i, X0)
+        base = _slot_ptr(work_ptr, i, X0, MP, NP, GRAM * 3 + 2)
         x = (g * _inverse_norm(total, eps, GRAM)).to(work_ptr.dtype.element_ty)
-        tl.store(base + rows[:, None] * stride + cols[None, :], x)
+        tl.store(base + rows[:, None] * NP + cols[None, :], x)
 
 
 @triton.jit
 def _products(
-    dst_ptr, work_ptr, meta_ptr, square_ptr, n_square, wide_ptr, n_wide, coef_ptr, scale_ptr,
+    dst_ptr, work_ptr, meta_ptr, count, coef_ptr, scale_ptr,
     K: tl.constexpr, OUT: tl.constexpr, L: tl.constexpr, M: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
-    ALPHA: tl.constexpr, BETA: tl.constexpr, Q: tl.constexpr, BM: tl.constexpr,
+    ALPHA: tl.constexpr, BETA: tl.constexpr, Q: tl.constexpr, GRAM: tl.constexpr,
+    MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
     """One product phase, OUT = ALPHA C + BETA L M (M = slot M transposed when ``T``), over its tiles.
 
     Slots are workspace slots, ``OUT`` may be :data:`DST`; ``ALPHA``/``BETA`` 0 for none/1.0,
     else the coefficient column + 1 of iteration ``K``; ``Q``: also write OUT + a I there.
     """
-    if OUT >= 2 or T:  # an m x m output
-        tiles_ptr, n_tiles = square_ptr, n_square
-    else:
-        tiles_ptr, n_tiles = wide_ptr, n_wide
+    sq: tl.constexpr = GRAM * 3 + 2  # m x m slots per matrix
+    cols_out: tl.constexpr = MP if (OUT >= 2 or T) else NP  # the output's padded width
+    per: tl.constexpr = (MP // BM) * (cols_out // BM)
+    reduce: tl.constexpr = NP if T else MP
+    l_stride: tl.constexpr = NP if L < 2 else MP
+    m_stride: tl.constexpr = NP if M < 2 else MP
     wdtype = work_ptr.dtype.element_ty
-    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        i = tl.load(tiles_ptr + 3 * t)
-        r0 = tl.load(tiles_ptr + 3 * t + 1)
-        c0 = tl.load(tiles_ptr + 3 * t + 2)
-        l_base, l_stride = _phased_slot(work_ptr, meta_ptr, i, L)
-        m_base, m_stride = _phased_slot(work_ptr, meta_ptr, i, M)
+    for t in range(tl.program_id(0), count * per, tl.num_programs(0)):
+        i = t // per
+        r0 = ((t % per) // (cols_out // BM)) * BM
+        c0 = ((t % per) % (cols_out // BM)) * BM
+        l_base = _slot_ptr(work_ptr, i, L, MP, NP, sq)
+        m_base = _slot_ptr(work_ptr, i, M, MP, NP, sq)
         acc = tl.zeros((BM, BM), dtype=tl.float32)
-        if T:  # M = X^T: the reduction runs over X's padded columns
-            for k0 in range(0, tl.load(meta_ptr + i * 10 + 9), BM):
-                right = tl.trans(_tile(m_base, m_stride, c0, k0, BM))
-                acc = tl.dot(_tile(l_base, l_stride, r0, k0, BM), right, acc)
-        else:
-            for k0 in range(0, tl.load(meta_ptr + i * 10 + 8), BM):
-                acc = tl.dot(_tile(l_base, l_stride, r0, k0, BM), _tile(m_base, m_stride, k0, c0, BM), acc)
+        for k0 in range(0, reduce, BM):
+            if T:  # M = X^T: rows c0... of X, transposed
+                right = tl.trans(_tile(m_base, c0, k0, m_stride, BM))
+            else:
+                right = _tile(m_base, k0, c0, m_stride, BM)
+            acc = tl.dot(_tile(l_base, r0, k0, l_stride, BM), right, acc)
         if BETA != 0:
             acc = acc * tl.load(coef_ptr + 3 * K + BETA - 1)
         if ALPHA != 0:
-            c_base, c_stride = _phased_slot(work_ptr, meta_ptr, i, C)
-            acc += tl.load(coef_ptr + 3 * K + ALPHA - 1) * _tile(c_base, c_stride, r0, c0, BM).to(tl.float32)
+            c_stride: tl.constexpr = NP if C < 2 else MP
+            c_tile = _tile(_slot_ptr(work_ptr, i, C, MP, NP, sq), r0, c0, c_stride, BM)
+            acc += tl.load(coef_ptr + 3 * K + ALPHA - 1) * c_tile.to(tl.float32)
         y = acc.to(wdtype)
         rows = r0 + tl.arange(0, BM)
         cols = c0 + tl.arange(0, BM)
         if OUT == -2:  # DST: factor * result in the parameter's layout
             src_off, m, n, s_r, s_c = _source_meta(meta_ptr, i)
-            value = y.to(tl.float32) * tl.load(scale_ptr + tl.load(meta_ptr + i * 10 + 6))
+            value = y.to(tl.float32) * tl.load(scale_ptr + tl.load(meta_ptr + i * 6 + 5))
             _store_chunk(dst_ptr + src_off, value.to(dst_ptr.dtype.element_ty), rows, cols, m, n, s_r, s_c)
         else:
-            o_base, o_stride = _phased_slot(work_ptr, meta_ptr, i, OUT)
-            tl.store(o_base + rows[:, None] * o_stride + cols[None, :], y)
+            o_base = _slot_ptr(work_ptr, i, OUT, MP, NP, sq)
+            tl.store(o_base + rows[:, None] * cols_out + cols[None, :], y)
         if Q != 0:  # Q = Z + a I on the real diagonal (the padding stays zero)
-            m = tl.load(meta_ptr + i * 10 + 2)
+            m = tl.load(meta_ptr + i * 6 + 1)
             eye = ((rows[:, None] == cols[None, :]) & (rows[:, None] < m)).to(tl.float32)
-            q_base, q_stride = _phased_slot(work_ptr, meta_ptr, i, Q)
             q_tile = y.to(tl.float32) + tl.load(coef_ptr + 3 * K) * eye
-            tl.store(q_base + rows[:, None] * q_stride + cols[None, :], q_tile.to(wdtype))
+            q_base = _slot_ptr(work_ptr, i, Q, MP, NP, sq)
+            tl.store(q_base + rows[:, None] * MP + cols[None, :], q_tile.to(wdtype))
 
 
 @triton.jit
@@ -764,24 +765,26 @@ def _grid_barrier(counter_ptr, target):
 
 
 @triton.jit
-def _standard_phase(d, w, mt, sq, nsq, wd, nwd, cf, sc, P: tl.constexpr, STEPS: tl.constexpr, BM: tl.constexpr):
+def _standard_phase(
+    d, w, mt, n, cf, sc, P: tl.constexpr, STEPS: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr
+):
     """Phase P >= 2 of the standard iteration: three products per iteration; X alternates between slots 0 and 1."""
     # fmt: off
     k: tl.constexpr = (P - 2) // 3
     x: tl.constexpr = k % 2
     if (P - 2) % 3 == 0:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 2, x, x, True, 0, 0, 0, 0, BM)  # A = X X^T
+        _products(d, w, mt, n, cf, sc, k, 2, x, x, True, 0, 0, 0, 0, False, MP, NP, BM)  # A = X X^T
     elif (P - 2) % 3 == 1:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 3, 2, 2, False, 2, 2, 3, 0, BM)  # B = b A + c A A
+        _products(d, w, mt, n, cf, sc, k, 3, 2, 2, False, 2, 2, 3, 0, False, MP, NP, BM)  # B = b A + c A A
     elif k == STEPS - 1:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, -2, 3, x, False, x, 1, 0, 0, BM)  # out = factor X'
+        _products(d, w, mt, n, cf, sc, k, -2, 3, x, False, x, 1, 0, 0, False, MP, NP, BM)  # out = factor X'
     else:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 1 - x, 3, x, False, x, 1, 0, 0, BM)  # X <- a X + B X
+        _products(d, w, mt, n, cf, sc, k, 1 - x, 3, x, False, x, 1, 0, 0, False, MP, NP, BM)  # X <- aX + BX
     # fmt: on
 
 
 @triton.jit
-def _gram_phase(d, w, mt, sq, nsq, wd, nwd, cf, sc, P: tl.constexpr, BM: tl.constexpr):
+def _gram_phase(d, w, mt, n, cf, sc, P: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
     """Phase P >= 2 of the Gram iteration, :func:`phased_schedule` unrolled.
 
     Slots: X1 0, X0 1, R 2, Z 3, Q 4 and 5, P 6.
@@ -789,49 +792,47 @@ def _gram_phase(d, w, mt, sq, nsq, wd, nwd, cf, sc, P: tl.constexpr, BM: tl.cons
     # fmt: off
     k: tl.constexpr = (P > 5) + (P > 7) + (P > 12) + (P > 16)  # the iteration of phase P
     if P == 2:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 2, 1, 1, True, 0, 0, 0, 0, BM)  # R = X0 X0^T
+        _products(d, w, mt, n, cf, sc, k, 2, 1, 1, True, 0, 0, 0, 0, True, MP, NP, BM)  # R = X0 X0^T
     elif P == 3 or P == 10:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 3, 2, 2, False, 2, 2, 3, 4, BM)  # Z; Q = Z + a I
+        _products(d, w, mt, n, cf, sc, k, 3, 2, 2, False, 2, 2, 3, 4, True, MP, NP, BM)  # Z; Q = Z + a I
     elif P == 6 or P == 13 or P == 17:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 3, 2, 2, False, 2, 2, 3, 0, BM)  # Z = b R + c R R
+        _products(d, w, mt, n, cf, sc, k, 3, 2, 2, False, 2, 2, 3, 0, True, MP, NP, BM)  # Z = b R + c R R
     elif P == 4 or P == 11 or P == 15:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 6, 2, 3, False, 2, 1, 0, 0, BM)  # P = a R + R Z
+        _products(d, w, mt, n, cf, sc, k, 6, 2, 3, False, 2, 1, 0, 0, True, MP, NP, BM)  # P = a R + R Z
     elif P == 5 or P == 12 or P == 16:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 2, 3, 6, False, 6, 1, 0, 0, BM)  # R = a P + Z P
+        _products(d, w, mt, n, cf, sc, k, 2, 3, 6, False, 6, 1, 0, 0, True, MP, NP, BM)  # R = a P + Z P
     elif P == 7 or P == 14:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 5, 4, 3, False, 4, 1, 0, 0, BM)  # Q <- aQ + QZ, 4 to 5
+        _products(d, w, mt, n, cf, sc, k, 5, 4, 3, False, 4, 1, 0, 0, True, MP, NP, BM)  # Q <- aQ + QZ, 4 to 5
     elif P == 18:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 4, 5, 3, False, 5, 1, 0, 0, BM)  # Q <- aQ + QZ, 5 to 4
+        _products(d, w, mt, n, cf, sc, k, 4, 5, 3, False, 5, 1, 0, 0, True, MP, NP, BM)  # Q <- aQ + QZ, 5 to 4
     elif P == 8:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 0, 5, 1, False, 0, 0, 0, 0, BM)  # restart: X1 = Q X0
+        _products(d, w, mt, n, cf, sc, k, 0, 5, 1, False, 0, 0, 0, 0, True, MP, NP, BM)  # restart: X1 = Q X0
     elif P == 9:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, 2, 0, 0, True, 0, 0, 0, 0, BM)  # R = X1 X1^T
+        _products(d, w, mt, n, cf, sc, k, 2, 0, 0, True, 0, 0, 0, 0, True, MP, NP, BM)  # R = X1 X1^T
     else:
-        _products(d, w, mt, sq, nsq, wd, nwd, cf, sc, k, -2, 4, 0, False, 0, 0, 0, 0, BM)  # out = factor Q X1
+        _products(d, w, mt, n, cf, sc, k, -2, 4, 0, False, 0, 0, 0, 0, True, MP, NP, BM)  # out = factor Q X1
     # fmt: on
 
 
-@triton.jit(do_not_specialize=["n_square", "n_wide", "eps"])
+@triton.jit(do_not_specialize=["count", "eps"])
 def _phased_kernel(
-    src_ptr, dst_ptr, work_ptr, meta_ptr, square_ptr, n_square, wide_ptr, n_wide, partial_ptr, coef_ptr,
-    scale_ptr, counter_ptr, eps, FIRST: tl.constexpr, STOP: tl.constexpr, STEPS: tl.constexpr,
-    SYNC: tl.constexpr, GRAM: tl.constexpr, BM: tl.constexpr,
+    src_ptr, dst_ptr, work_ptr, meta_ptr, count, partial_ptr, coef_ptr, scale_ptr, counter_ptr, eps,
+    FIRST: tl.constexpr, STOP: tl.constexpr, STEPS: tl.constexpr, SYNC: tl.constexpr, GRAM: tl.constexpr,
+    MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
     """Phases FIRST:STOP of :func:`phased_schedule`, unrolled; grid barriers between them with SYNC."""
     for P in tl.static_range(FIRST, STOP):
         if P == 0:
-            _norm_tiles(src_ptr, meta_ptr, wide_ptr, n_wide, partial_ptr, BM)
+            _norm_tiles(src_ptr, meta_ptr, count, partial_ptr, MP, NP, BM)
         elif P == 1:
             if GRAM:  # X0 in slot 1 (slot 0 takes X1 at the restart)
-                _normalise_tiles(src_ptr, work_ptr, meta_ptr, wide_ptr, n_wide, partial_ptr, eps, 1, GRAM, BM)
+                _normalise_tiles(src_ptr, work_ptr, meta_ptr, count, partial_ptr, eps, 1, GRAM, MP, NP, BM)
             else:
-                _normalise_tiles(src_ptr, work_ptr, meta_ptr, wide_ptr, n_wide, partial_ptr, eps, 0, GRAM, BM)
+                _normalise_tiles(src_ptr, work_ptr, meta_ptr, count, partial_ptr, eps, 0, GRAM, MP, NP, BM)
         elif GRAM:
-            _gram_phase(dst_ptr, work_ptr, meta_ptr, square_ptr, n_square, wide_ptr, n_wide, coef_ptr, scale_ptr, P, BM)
+            _gram_phase(dst_ptr, work_ptr, meta_ptr, count, coef_ptr, scale_ptr, P, MP, NP, BM)
         else:
-            _standard_phase(
-                dst_ptr, work_ptr, meta_ptr, square_ptr, n_square, wide_ptr, n_wide, coef_ptr, scale_ptr, P, STEPS, BM
-            )
+            _standard_phase(dst_ptr, work_ptr, meta_ptr, count, coef_ptr, scale_ptr, P, STEPS, MP, NP, BM)
         if SYNC and P < STOP - 1:
             _grid_barrier(counter_ptr, (P - FIRST + 1) * tl.num_programs(0))
 
@@ -881,31 +882,32 @@ def phased_schedule(use_gram: bool) -> list[list[int]]:
     return phases
 
 
-def _padded(size: int) -> int:
+def padded(size: int) -> int:
+    """``size`` rounded up to whole tiles (:data:`TILE`)."""
     return -(-size // TILE) * TILE
 
 
-def phased_layout(
-    matrices: list[tuple[int, int, int, int, int, int]], use_gram: bool
-) -> tuple[list[list[int]], list[list[int]], list[list[int]], int]:
-    """Metadata and tile tables of a phased group, and its workspace size.
+def phased_layout(matrices: list[tuple[int, int, int, int, int, int]], use_gram: bool) -> tuple[list[list[int]], int]:
+    """Metadata table of a phased group and its workspace size (elements).
 
     ``matrices``: (source offset, m, n, row stride, column stride, block) per matrix, in the
-    wide orientation (m <= n). Returns ``meta`` (:data:`PHASED_META_COLS`), the m x m and
-    m x n tiles (matrix row, first row, first column) and the workspace elements.
+    wide orientation (m <= n), all of one padded shape (:func:`padded`).
     """
-    meta, square, wide, work = [], [], [], 0
-    for i, (off, m, n, s_r, s_c, block) in enumerate(matrices):
-        mp, np_ = _padded(m), _padded(n)
-        meta.append([off, work, m, n, s_r, s_c, block, len(wide), mp, np_])
-        square += [[i, r0, c0] for r0 in range(0, mp, TILE) for c0 in range(0, mp, TILE)]
-        wide += [[i, r0, c0] for r0 in range(0, mp, TILE) for c0 in range(0, np_, TILE)]
-        work += 2 * mp * np_ + PHASED_SQUARE_SLOTS[use_gram] * mp * mp
-    return meta, square, wide, work
+    shapes = {(padded(m), padded(n)) for _, m, n, _, _, _ in matrices}
+    if len(shapes) != 1:
+        raise ValueError(f"a phased group holds matrices of one padded shape, not {sorted(shapes)}")
+    mp, np_ = shapes.pop()
+    slab = 2 * mp * np_ + PHASED_SQUARE_SLOTS[use_gram] * mp * mp
+    return [list(row) for row in matrices], slab * len(matrices)
+
+
+def phased_tiles(m: int, n: int) -> int:
+    """Output tiles of the largest phase of one matrix (its m x n phases)."""
+    return (padded(m) // TILE) * (padded(n) // TILE)
 
 
 #: Launch one phase at a time (no grid barrier): under the interpreter, which runs the
-#: programs of a launch one after another; also a fallback the tests compare against.
+#: programs of a launch one after another.
 PHASE_BY_PHASE: bool = False
 
 
@@ -919,8 +921,7 @@ def orthogonalize_phased(
     dst: torch.Tensor,
     work: torch.Tensor,
     meta: torch.Tensor,
-    square: torch.Tensor,
-    wide: torch.Tensor,
+    shape: tuple[int, int],
     partial: torch.Tensor,
     coefs: torch.Tensor,
     scale: torch.Tensor,
@@ -933,21 +934,27 @@ def orthogonalize_phased(
     """Phases ``first:stop`` of the orthogonalisation of a phased group (see the section comment).
 
     The last phase writes ``scale * O`` to ``dst``; the engine runs it apart, once ``scale``
-    is known, and the others as soon as ``src`` is. ``meta``, ``square``, ``wide`` and the
-    size of ``work`` (zeros, :data:`GRAM_WORK_DTYPE` or :data:`STANDARD_WORK_DTYPE`) come from
-    :func:`phased_layout`; ``partial``: float32, one per m x n tile; ``counter``: one int32;
-    ``programs``: the grid (at most the SMs this launch may hold while others run).
+    is known, and the others as soon as ``src`` is. ``meta`` and the size of ``work`` (zeros,
+    :data:`GRAM_WORK_DTYPE` or :data:`STANDARD_WORK_DTYPE`) come from :func:`phased_layout`;
+    ``shape``: the group's padded (m, n); ``partial``: float32, one per m x n tile;
+    ``counter``: one int32; ``programs``: the grid (at most the SMs this launch may hold
+    while others run).
     """
     stop = phase_count(use_gram) if stop is None else stop
-    args = (src, dst, work, meta, square, square.size(0), wide, wide.size(0), partial, coefs, scale, counter)
-    options = {"STEPS": coefs.size(0), "GRAM": use_gram, "BM": TILE, "num_warps": 4}
+    args = (src, dst, work, meta, meta.size(0), partial, coefs, scale, counter, F.NS_EPS)
+    options = _phased_options(use_gram, shape)
     if PHASE_BY_PHASE or src.device.type != "cuda":
         for ph in range(first, stop):
-            _phased_kernel[(programs,)](*args, F.NS_EPS, FIRST=ph, STOP=ph + 1, SYNC=False, **options)
+            _phased_kernel[(programs,)](*args, FIRST=ph, STOP=ph + 1, SYNC=False, **options)
         return
     if stop - first > 1:
         counter.zero_()
-    _phased_kernel[(programs,)](*args, F.NS_EPS, FIRST=first, STOP=stop, SYNC=stop - first > 1, **options)
+    _phased_kernel[(programs,)](*args, FIRST=first, STOP=stop, SYNC=stop - first > 1, **options)
+
+
+def _phased_options(use_gram: bool, shape: tuple[int, int]) -> dict[str, Any]:
+    steps = len(F.POLAR_EXPRESS_COEFFS) if use_gram else F.NS_FAST_STEPS + F.NS_POLISH_STEPS
+    return {"STEPS": steps, "GRAM": use_gram, "MP": shape[0], "NP": shape[1], "BM": TILE, "num_warps": 4}
 
 
 # ---------------------------------------------------------------------------
@@ -1151,7 +1158,7 @@ def panelled(use_gram: bool, rows: int, cols: int) -> bool:
 
 def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
     if rows > MAX_ROWS:
-        return ("phased", use_gram)
+        return ("phased", use_gram, (padded(rows), padded(cols)))
     if panelled(use_gram, rows, cols):
         return ("panel", panel_block(rows))
     return ("ns", tuple(sorted(_ns_options(rows, cols, use_gram).items())))
@@ -1167,14 +1174,13 @@ def _compile(key: tuple[Any, ...], device: torch.device) -> None:
         _magma_partial_kernel.warmup(vec, vec, i64, f32, 2, BLOCK=1024, grid=(1,))
         _magma_finish_kernel.warmup(i64, f32, 2, f32, f32, f32, vec[0], f32[0], **_MAGMA_OPTIONS, grid=(1,))
     elif kind == "phased":  # the engine's two launches: all phases but the last, and the last
-        use_gram = key[1]
+        use_gram, shape = key[1], key[2]
         work = torch.zeros(16, dtype=GRAM_WORK_DTYPE if use_gram else STANDARD_WORK_DTYPE, device=device)
-        args = (vec, vec, work, i64, i64, 1, i64, 1, f32, f32, f32, torch.zeros(1, dtype=torch.int32, device=device))
+        args = (vec, vec, work, i64, 1, f32, f32, f32, torch.zeros(1, dtype=torch.int32, device=device), F.NS_EPS)
         n = phase_count(use_gram)
-        steps = len(F.POLAR_EXPRESS_COEFFS) if use_gram else F.NS_FAST_STEPS + F.NS_POLISH_STEPS
         for first, stop in ((0, n - 1), (n - 1, n)):
-            options = {"STEPS": steps, "SYNC": stop - first > 1, "GRAM": use_gram, "BM": TILE, "num_warps": 4}
-            _phased_kernel.warmup(*args, F.NS_EPS, FIRST=first, STOP=stop, **options, grid=(1,))
+            options = _phased_options(use_gram, shape)
+            _phased_kernel.warmup(*args, FIRST=first, STOP=stop, SYNC=stop - first > 1, **options, grid=(1,))
     elif kind == "spans":
         _gather_kernel.warmup(i64, i64, vec, f32, **_SPAN_OPTIONS, grid=(1,))
         _momentum_kernel.warmup(vec, vec, vec, f32, vec, 16, BLOCK=_SPAN_OPTIONS["BLOCK"], num_warps=4, grid=(1,))

@@ -140,13 +140,17 @@ def test_panel_kernels_match_the_reference(kernels):
         assert err < 3e-2, (STREAMED[i], err)
 
 
-# Matrices of the phased path: smaller sides spanning several 64-row tiles, not multiples
-# of 64; wide, tall, square and a short one (small sizes: the interpreter is slow).
-PHASED = [(70, 150), (150, 70), (72, 72), (20, 33)]
+# Matrices of the phased path, groups of one padded shape each: smaller sides spanning several
+# 64-row tiles, not multiples of 64; wide and tall (padded 128 x 192); square ones (128 x 128,
+# the standard iteration) and short ones (64 x 128, the Gram iteration). Small sizes: the
+# interpreter is slow.
+PHASED = {False: [(70, 150), (150, 70), (100, 140)], True: [(70, 150), (150, 70), (100, 140)]}
+PHASED_SHORT = {False: [(72, 72), (100, 100)], True: [(20, 100), (100, 33)]}
 
 
 @pytest.mark.parametrize("use_gram", [False, True], ids=["standard", "gram"])
-def test_phased_kernel_matches_the_reference(kernels, use_gram):
+@pytest.mark.parametrize("short", [False, True], ids=["rectangular", "square-or-short"])
+def test_phased_kernel_matches_the_reference(kernels, use_gram, short):
     """One persistent launch with grid barriers (GPU), or one launch per phase (interpreter)."""
     K, device = kernels
     schedule = K.phased_schedule(use_gram)
@@ -154,25 +158,25 @@ def test_phased_kernel_matches_the_reference(kernels, use_gram):
         if row[0] == 2:
             assert row[1] not in (row[2], row[3], row[5] if row[6] else None), row
     gen = torch.Generator().manual_seed(3)
-    shapes = [s for s in PHASED if not use_gram or s[0] != s[1]]  # square matrices: standard only
+    shapes = (PHASED_SHORT if short else PHASED)[use_gram]
     mats = [torch.randn(s, generator=gen, dtype=torch.float64).to(device) for s in shapes]
     matrices, offset = [], 0
     for block, (rows, cols) in enumerate(shapes):
         small, large = min(rows, cols), max(rows, cols)
         matrices.append((offset, small, large, *((1, small) if rows > cols else (large, 1)), block))
         offset += rows * cols
-    meta, square, wide, size = K.phased_layout(matrices, use_gram)
+    shape = (K.padded(max(m for _, m, _, _, _, _ in matrices)), K.padded(max(n for _, _, n, _, _, _ in matrices)))
+    assert all((K.padded(m), K.padded(n)) == shape for _, m, n, _, _, _ in matrices)
+    meta, size = K.phased_layout(matrices, use_gram)
     src = torch.cat([m.reshape(-1) for m in mats])
     dst = torch.full_like(src, float("nan"))
-    table = [torch.tensor(x, dtype=torch.int64, device=device) for x in (meta, square, wide)]
     work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if use_gram else K.STANDARD_WORK_DTYPE, device=device)
-    partial = torch.zeros(len(wide), device=device)
+    tiles = len(meta) * K.phased_tiles(*shape)
+    args = (torch.tensor(meta, dtype=torch.int64, device=device), shape, torch.zeros(tiles, device=device))
     coefs, factor = K.coefficient_table(use_gram, device), torch.arange(1.0, len(shapes) + 1.0, device=device)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     for first, stop in ((0, len(schedule) - 1), (len(schedule) - 1, len(schedule))):  # as the engine runs it
-        K.orthogonalize_phased(
-            src, dst, work, *table, partial, coefs, factor, counter, 7, use_gram, first=first, stop=stop
-        )
+        K.orthogonalize_phased(src, dst, work, *args, coefs, factor, counter, 5, use_gram, first=first, stop=stop)
     for i, (g, out) in enumerate(zip(mats, dst.split([m.numel() for m in mats]), strict=True)):
         ref = F.orthogonalize(g[None], use_gram)[0].double() * (i + 1)
         err = ((out.view_as(g) - ref).norm() / ref.norm()).item()
