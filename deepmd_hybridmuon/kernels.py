@@ -722,6 +722,9 @@ def _products(
         c0 = ((t % per) % (cols_out // BM)) * BM
         l_base = _slot_ptr(work_ptr, i, L, MP, NP, sq)
         m_base = _slot_ptr(work_ptr, i, M, MP, NP, sq)
+        if ALPHA != 0:  # the addend's tile, loaded ahead so its latency hides behind the products
+            c_stride: tl.constexpr = NP if C < 2 else MP
+            c_tile = _tile(_slot_ptr(work_ptr, i, C, MP, NP, sq), r0, c0, c_stride, BM)
         acc = tl.zeros((BM, BM), dtype=tl.float32)
         for k0 in range(0, reduce, BM):
             if T:  # M = X^T: rows c0... of X, transposed
@@ -732,8 +735,6 @@ def _products(
         if BETA != 0:
             acc = acc * tl.load(coef_ptr + 3 * K + BETA - 1)
         if ALPHA != 0:
-            c_stride: tl.constexpr = NP if C < 2 else MP
-            c_tile = _tile(_slot_ptr(work_ptr, i, C, MP, NP, sq), r0, c0, c_stride, BM)
             acc += tl.load(coef_ptr + 3 * K + ALPHA - 1) * c_tile.to(tl.float32)
         y = acc.to(wdtype)
         rows = r0 + tl.arange(0, BM)
@@ -758,9 +759,10 @@ def _grid_barrier(counter_ptr, target):
     """Wait until ``target`` arrivals were counted (every program of the launch, this phase)."""
     tl.debug_barrier()  # this program's stores are done
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    while tl.load(counter_ptr, volatile=True) < target:
+    # Each poll is an acquiring read-modify-write, so the last one orders this program's later
+    # loads after the other programs' stores (1.2 us a barrier on the H100, BENCHMARKS.md).
+    while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
         pass
-    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
@@ -942,19 +944,22 @@ def orthogonalize_phased(
     """
     stop = phase_count(use_gram) if stop is None else stop
     args = (src, dst, work, meta, meta.size(0), partial, coefs, scale, counter, F.NS_EPS)
-    options = _phased_options(use_gram, shape)
     if PHASE_BY_PHASE or src.device.type != "cuda":
         for ph in range(first, stop):
-            _phased_kernel[(programs,)](*args, FIRST=ph, STOP=ph + 1, SYNC=False, **options)
+            _phased_kernel[(programs,)](*args, FIRST=ph, STOP=ph + 1, **_phased_options(use_gram, shape, False))
         return
-    if stop - first > 1:
+    sync = stop - first > 1
+    if sync:
         counter.zero_()
-    _phased_kernel[(programs,)](*args, FIRST=first, STOP=stop, SYNC=stop - first > 1, **options)
+    _phased_kernel[(programs,)](*args, FIRST=first, STOP=stop, **_phased_options(use_gram, shape, sync))
 
 
-def _phased_options(use_gram: bool, shape: tuple[int, int]) -> dict[str, Any]:
+def _phased_options(use_gram: bool, shape: tuple[int, int], sync: bool) -> dict[str, Any]:
     steps = len(F.POLAR_EXPRESS_COEFFS) if use_gram else F.NS_FAST_STEPS + F.NS_POLISH_STEPS
-    return {"STEPS": steps, "GRAM": use_gram, "MP": shape[0], "NP": shape[1], "BM": TILE, "num_warps": 4}
+    options = {"STEPS": steps, "GRAM": use_gram, "MP": shape[0], "NP": shape[1], "BM": TILE, "SYNC": sync}
+    if sync:  # grid barriers: a cooperative launch makes the driver place every program at once
+        options["launch_cooperative_grid"] = True
+    return options | {"num_warps": 4}
 
 
 # ---------------------------------------------------------------------------
@@ -1179,8 +1184,8 @@ def _compile(key: tuple[Any, ...], device: torch.device) -> None:
         args = (vec, vec, work, i64, 1, f32, f32, f32, torch.zeros(1, dtype=torch.int32, device=device), F.NS_EPS)
         n = phase_count(use_gram)
         for first, stop in ((0, n - 1), (n - 1, n)):
-            options = _phased_options(use_gram, shape)
-            _phased_kernel.warmup(*args, FIRST=first, STOP=stop, SYNC=stop - first > 1, **options, grid=(1,))
+            options = _phased_options(use_gram, shape, stop - first > 1)
+            _phased_kernel.warmup(*args, FIRST=first, STOP=stop, **options, grid=(1,))
     elif kind == "spans":
         _gather_kernel.warmup(i64, i64, vec, f32, **_SPAN_OPTIONS, grid=(1,))
         _momentum_kernel.warmup(vec, vec, vec, f32, vec, 16, BLOCK=_SPAN_OPTIONS["BLOCK"], num_warps=4, grid=(1,))
