@@ -152,3 +152,39 @@ def test_cuda_graph_replay_matches_eager_steps_with_a_changing_lr():
         # the same kernels on the same inputs: identical but for cuBLAS picking another
         # algorithm inside the capture, which moves bf16 results by an ulp at most
         torch.testing.assert_close(p, eager[name], rtol=1e-2, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_step_does_not_synchronise_inside_deepmds_device_context():
+    """deepmd's trainer steps inside ``with torch.device(DEVICE)``; a step must not wait for the GPU there.
+
+    torch's sync debug mode raises on any operation that synchronises the host with the GPU
+    (a D2H copy, ``.item()``, a tensor built from host data on the device...).
+    """
+    from deepmd_hybridmuon import kernels
+
+    shapes = dict(SHAPES, **{"fit.layers.3.matrix": (240, 240), "fit.layers.4.matrix": (136, 240)})
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.nn.Parameter(torch.randn(s, generator=gen).cuda()) for k, s in shapes.items()}
+    opt = HybridMuonOptimizer(list(params.values()), named_parameters=params.items())
+    grads = [[torch.randn(p.shape, generator=gen).cuda() for p in params.values()] for _ in range(3)]
+
+    def step(k: int) -> None:
+        for p, g in zip(params.values(), grads[k % 3], strict=True):
+            p.grad = g
+        with torch.device("cuda"):
+            opt.step()
+
+    step(0)
+    assert kernels.wait_ready(600), "background compilation did not finish"
+    for k in range(4):  # engine rebuilt with the kernels, eager steps, graph captured
+        step(k)
+    assert opt._engines[0].graph is not None and opt._engines[0].triton
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in range(3):
+            step(k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p).all() for p in params.values())

@@ -9,9 +9,8 @@ import torch
 from conftest import build_model, clone_named, model_named_parameters, run_steps, seeded_grads, set_grads
 from test_parity_builtin import ADAM_RTOL, ENGINE_VS_LOOP_RTOL, MUON_RTOL
 
-from deepmd_hybridmuon import HybridMuonOptimizer
+from deepmd_hybridmuon import HybridMuonOptimizer, kernels
 from deepmd_hybridmuon import functional as F
-from deepmd_hybridmuon import kernels
 
 
 def _params(named: list[tuple[str, torch.nn.Parameter]]) -> list[torch.nn.Parameter]:
