@@ -230,6 +230,7 @@ def time_variant(
         from deepmd_hybridmuon import kernels
 
         kernels.wait_ready(600)
+        print(f"  {variant}: Triton kernels ready {time.perf_counter() - t0:.1f} s after the first step began")
 
     for _ in range(args.warmup):
         set_grads(step_no)

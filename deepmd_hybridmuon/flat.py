@@ -15,8 +15,10 @@ ones:
   (Muon scale x Magma x -lr) and the orthogonalised update times that factor:
   - with ``flash_muon`` on CUDA, matrices whose smaller side is at most
     ``kernels.MAX_ROWS`` go to the Triton kernels of ``kernels.py`` (one launch per
-    path, five for long matrices; Magma in two launches);
-  - the others are copied (one strided copy per parameter) into zero-padded
+    path, five for long matrices; Magma in two launches), and those with a smaller side up
+    to ``kernels.MAX_PHASED_ROWS`` to one persistent Triton launch per padded shape
+    (``kernels.orthogonalize_phased``), on a stream of its own like a torch bucket;
+  - the others (all of them without the kernels) are copied (one strided copy per parameter) into zero-padded
     ``(batch, M, N)`` stacks in wide orientation and orthogonalised by the torch
     functions of ``functional.py``, one call per bucket. Zero padding commutes with both
     Newton–Schulz variants in exact arithmetic (zero rows and columns stay zero; the Gram

@@ -27,6 +27,12 @@ so a launch takes as long as its largest matrix, not the sum over matrices. Long
 of the Gram path, which one program would stream through one SM several times, are split
 into column panels instead (:func:`orthogonalize_panels`, five launches).
 
+Larger matrices, smaller side up to :data:`MAX_PHASED_ROWS` (240 x 240 and 240 x 1600 in
+DeePMD's fitting nets, 136 x 240 in DPA-2), take :func:`orthogonalize_phased`: the
+iteration becomes a sequence of tiled products ("phases"), all run by one persistent,
+cooperatively launched kernel per group of one padded shape, with a grid-wide barrier
+between phases (see the section comment there).
+
 Magma (:func:`magma_factors`): one program per chunk sums m*g, m*m and g*g over its range
 of the flat vectors, then one program per block adds its chunks in order (deterministic),
 updates the block's score and writes the block's factor.

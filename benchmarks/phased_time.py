@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Time the phased Newton–Schulz kernel alone, with and without its grid barriers (CUDA).
+
+Builds the two phased groups of se_e2_a water (4 x 240 x 240, standard iteration; 2 x 240 x 1600,
+Gram iteration; float64 parameters, as in DeePMD), launches ``kernels._phased_kernel`` the way
+the engine does (all phases but the last in one launch, then the last) inside a CUDA graph, and
+prints the median time per launch:
+
+* with the grid barriers (the engine's launch), once cooperative and once as a plain launch;
+* without them (``SYNC`` off: the programs race through the phases, so the result is wrong,
+  but the difference is the cost of the barriers);
+* the last phase alone (the final product, scaled, written in the parameter's layout).
+
+Usage::
+
+    python benchmarks/phased_time.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepmd_hybridmuon import functional as F
+from deepmd_hybridmuon import kernels as K
+
+GROUPS = [("standard 4 x 240 x 240", False, 4, 240, 240), ("Gram 2 x 240 x 1600", True, 2, 240, 1600)]
+REPEATS = 30  # launches per graph replay
+REPLAYS = 7  # replays timed; the median is printed
+
+
+def build(device: torch.device, use_gram: bool, count: int, m: int, n: int) -> dict:
+    """Inputs and workspaces of one phased group, as ``flat.GroupEngine._build_phased`` makes them."""
+    src = torch.randn(count * m * n, dtype=torch.float64, device=device)
+    meta, size = K.phased_layout([(i * m * n, m, n, n, 1, i) for i in range(count)], use_gram)
+    tiles = count * K.phased_tiles(m, n)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    work_dtype = K.GRAM_WORK_DTYPE if use_gram else K.STANDARD_WORK_DTYPE
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    args = (
+        src, torch.zeros_like(src), torch.zeros(size, dtype=work_dtype, device=device),
+        torch.tensor(meta, dtype=torch.int64, device=device), count,
+        torch.zeros(tiles, dtype=torch.float32, device=device), K.coefficient_table(use_gram, device),
+        torch.ones(count, dtype=torch.float32, device=device), counter, F.NS_EPS,
+    )  # fmt: skip
+    # two groups run at once in the engine: each gets half of the SMs
+    return {"args": args, "shape": (K.padded(m), K.padded(n)), "programs": min(tiles, sms // 2), "counter": counter}
+
+
+def time_launch(group: dict, use_gram: bool, first: int, stop: int, sync: bool, cooperative: bool = True) -> float:
+    """Median microseconds of one launch of phases ``first:stop``, replayed in a CUDA graph."""
+    options = K._phased_options(use_gram, group["shape"], sync)
+    if not cooperative:
+        options.pop("launch_cooperative_grid", None)
+
+    def launch() -> None:
+        if sync:
+            group["counter"].zero_()
+        K._phased_kernel[(group["programs"],)](*group["args"], FIRST=first, STOP=stop, **options)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile, then settle
+            launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(REPEATS):
+            launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / REPEATS)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    print(f"# phased kernel, {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n")
+    print(
+        "| group | phases | programs | launch | all but the last (us) | per phase | without barriers "
+        "| per barrier | last phase |"
+    )
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    for name, use_gram, count, m, n in GROUPS:
+        group = build(device, use_gram, count, m, n)
+        phases = K.phase_count(use_gram)
+        free = time_launch(group, use_gram, 0, phases - 1, False)
+        last = time_launch(group, use_gram, phases - 1, phases, False)
+        for cooperative in (True, False):
+            full = time_launch(group, use_gram, 0, phases - 1, True, cooperative)
+            print(
+                f"| {name} | {phases} | {group['programs']} | {'cooperative' if cooperative else 'plain'} "
+                f"| {full:.1f} | {full / (phases - 1):.2f} | {free:.1f} | {(full - free) / (phases - 2):.2f} "
+                f"| {last:.1f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
