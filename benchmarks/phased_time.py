@@ -11,12 +11,21 @@ prints the median time per launch:
   but the difference is the cost of the barriers);
 * the last phase alone (the final product, scaled, written in the parameter's layout).
 
+With ``--sweep``, for each group shape (count x m x n, both iterations) it also prints the
+engine's whole phased orthogonalisation (both launches) against the torch path the engine uses
+without the kernel (``functional.newton_schulz`` / ``gram_newton_schulz`` on the stack, cuBLAS),
+each alone in a CUDA graph: the evidence for :data:`deepmd_hybridmuon.kernels.MAX_PHASED_ROWS`.
+
 Usage::
 
     python benchmarks/phased_time.py
+    python benchmarks/phased_time.py --sweep 4x240x240,4x384x384,4x512x512,2x512x2048
 """
 
 from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
 
 import torch
 
@@ -57,6 +66,11 @@ def time_launch(group: dict, use_gram: bool, first: int, stop: int, sync: bool, 
             group["counter"].zero_()
         K._phased_kernel[(group["programs"],)](*group["args"], FIRST=first, STOP=stop, **options)
 
+    return time_graph(launch)
+
+
+def time_graph(launch: Callable[[], object]) -> float:
+    """Median microseconds of ``launch()``, captured :data:`REPEATS` times in a CUDA graph."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(3):  # compile, then settle
@@ -79,7 +93,29 @@ def time_launch(group: dict, use_gram: bool, first: int, stop: int, sync: bool, 
     return sorted(times)[len(times) // 2]
 
 
+def sweep(device: torch.device, shapes: list[tuple[int, int, int]]) -> None:
+    """The whole phased orthogonalisation against the torch path, per group shape and iteration."""
+    print("\n| group | iteration | phased kernel (us) | torch path, cuBLAS (us) | phased / torch |")
+    print("|---|---|---:|---:|---:|")
+    for count, m, n in shapes:
+        for use_gram in (False, True):
+            group = build(device, use_gram, count, m, n)
+            phases = K.phase_count(use_gram)
+            phased = time_launch(group, use_gram, 0, phases - 1, True) + time_launch(
+                group, use_gram, phases - 1, phases, False
+            )
+            # the engine's torch buckets keep their stack in the iteration's input dtype
+            stack = torch.randn(count, m, n, dtype=torch.float32 if use_gram else torch.bfloat16, device=device)
+            reference = F.gram_newton_schulz if use_gram else F.newton_schulz
+            torch_us = time_graph(lambda stack=stack, reference=reference: reference(stack))
+            name = "Gram" if use_gram else "standard"
+            print(f"| {count} x {m} x {n} | {name} | {phased:.1f} | {torch_us:.1f} | {phased / torch_us:.2f} |")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", help="comma list of group shapes COUNTxMxN to compare with the torch path")
+    args = ap.parse_args()
     device = torch.device("cuda")
     print(f"# phased kernel, {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n")
     print(
@@ -99,6 +135,8 @@ def main() -> None:
                 f"| {full:.1f} | {full / (phases - 1):.2f} | {free:.1f} | {(full - free) / (phases - 2):.2f} "
                 f"| {last:.1f} |"
             )
+    if args.sweep:
+        sweep(device, [tuple(int(v) for v in shape.split("x")) for shape in args.sweep.split(",")])
 
 
 if __name__ == "__main__":

@@ -622,8 +622,12 @@ _MAGMA_OPTIONS: dict[str, Any] = {
 # (shared between the groups that can run at the same time). Under Triton's interpreter,
 # which runs programs one after another, the host launches one phase at a time instead.
 
-#: Largest smaller side of the phased path (larger matrices stay on cuBLAS, the torch path).
-MAX_PHASED_ROWS: int = 512
+#: Largest smaller side of the phased path; larger matrices stay on cuBLAS (the torch path).
+#: Measured on the H100 (``benchmarks/phased_time.py --sweep``, BENCHMARKS.md): the whole
+#: orthogonalisation of 4 x 240 x 240 takes 0.64-0.73x the time of the cuBLAS chain, of
+#: 4 x 384 x 384 1.36-1.49x and of 4 x 512 x 512 1.59-1.78x (each program then computes
+#: several tiles of a phase one after another). 256 pads to the same tiles as 240.
+MAX_PHASED_ROWS: int = 256
 #: Output tile and reduction chunk of the phased products.
 TILE: int = 64
 #: Integers per matrix in the phased metadata table: source offset, m, n, row stride,

@@ -236,7 +236,7 @@ class HybridMuonOptimizer(Optimizer):
     flash_muon
         Triton kernels (:mod:`deepmd_hybridmuon.kernels`) for the flat engine on CUDA: one
         launch orthogonalises every Muon matrix with a smaller side <= 128, one persistent
-        launch per shape those with a smaller side <= 512, one computes Magma, three copy
+        launch per shape those with a smaller side <= 256, one computes Magma, three copy
         the gradients in, update the momentum and write the parameters; compiled in the
         background on first use. ``False``: batched torch kernels.
     magma_muon

@@ -148,7 +148,7 @@ def hybrid_muon_arguments() -> list[Argument]:
             default=True,
             doc="Triton kernels on CUDA: one launch orthogonalises every Muon matrix whose smaller side is at "
             "most 128 (in registers, or streamed for long matrices), one persistent launch per shape those with "
-            "a smaller side up to 512 (tiled products with grid-wide barriers), one more computes Magma for all "
+            "a smaller side up to 256 (tiled products with grid-wide barriers), one more computes Magma for all "
             "blocks; "
             "three more copy the gradients in (checking them for NaN/inf), update the momentum, and write "
             "every parameter's update. "

@@ -280,6 +280,8 @@ PARAMS = {
     # smaller side above MAX_ROWS: two phased groups (Gram and standard) in the same step
     "big.matrix": (160, 136),
     "big.square": (144, 144),
+    # smaller side above MAX_PHASED_ROWS: a torch bucket (cuBLAS is faster there), in the same step
+    "huge.matrix": (264, 270),
 }
 
 
@@ -318,7 +320,7 @@ def test_engine_with_kernels_matches_the_loop(kernels, enable_gram, magma_muon, 
     assert engine.fused_paths, "the Triton path did not run"
     assert any(f.panelled for f in engine.fused_paths) == enable_gram
     assert {g.use_gram for g in engine.phased_paths} == {enable_gram, False}, "sides > MAX_ROWS: not phased"
-    assert not engine.buckets
+    assert [(m[2], m[3]) for b in engine.buckets for m in b.members] == [(264, 270)], "side > MAX_PHASED_ROWS"
     assert (engine.graph is not None) == graph
     for name, r in ref.items():
         err = ((fast[name] - r).norm() / r.norm()).item()
