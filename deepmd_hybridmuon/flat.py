@@ -18,11 +18,12 @@ ones:
     path, five for long matrices; Magma in two launches), and those with a smaller side up
     to ``kernels.MAX_PHASED_ROWS`` to one persistent Triton launch per padded shape
     (``kernels.orthogonalize_phased``), on a stream of its own like a torch bucket;
-  - the others (all of them without the kernels) are copied (one strided copy per parameter) into zero-padded
-    ``(batch, M, N)`` stacks in wide orientation and orthogonalised by the torch
-    functions of ``functional.py``, one call per bucket. Zero padding commutes with both
-    Newton–Schulz variants in exact arithmetic (zero rows and columns stay zero; the Gram
-    matrix of the real rows is unchanged), so only rounding differs from the loop;
+  - the others (all of them without the kernels) are copied (one strided copy per
+    parameter) into zero-padded ``(batch, M, N)`` stacks in wide orientation and
+    orthogonalised by the torch functions of ``functional.py``, one call per bucket.
+    Zero padding commutes with both Newton–Schulz variants in exact arithmetic (zero rows
+    and columns stay zero; the Gram matrix of the real rows is unchanged), so only
+    rounding differs from the loop;
 * out: ``p <- p * decay + update`` (a ``_foreach_mul_`` and a ``_foreach_add_``; with
   the Triton kernels, one launch over a table of the parameters' addresses).
 

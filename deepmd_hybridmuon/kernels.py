@@ -639,8 +639,9 @@ PHASED_META_COLS: int = 6
 PHASED_SQUARE_SLOTS: dict[bool, int] = {False: 2, True: 5}
 #: Integers per phase of :func:`phased_schedule`: kind (0 norm, 1 normalise, 2 product),
 #: out, L, M, M transposed, C, alpha, beta (0: none or 1.0, else the coefficient column + 1),
-#: iteration, Q slot (0: none), output m x m, unused.
-PHASE_COLS: int = 12
+#: iteration, Q slot (0: none). The kernel gets the schedule as a compile-time tuple and
+#: unrolls it.
+PHASE_COLS: int = 10
 #: The output vector, as the ``out`` of the last product.
 DST: int = -2
 
@@ -663,6 +664,7 @@ def _tile(base, r0, c0, STRIDE: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def _source_meta(meta_ptr, i):
+    """Source offset, m, n and strides of matrix ``i`` (its metadata row: PHASED_META_COLS = 6 integers)."""
     row = meta_ptr + i * 6
     return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
 
@@ -776,75 +778,27 @@ def _grid_barrier(counter_ptr, target):
     tl.debug_barrier()
 
 
-@triton.jit
-def _standard_phase(
-    d, w, mt, n, cf, sc, P: tl.constexpr, STEPS: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr
-):
-    """Phase P >= 2 of the standard iteration: three products per iteration; X alternates between slots 0 and 1."""
-    # fmt: off
-    k: tl.constexpr = (P - 2) // 3
-    x: tl.constexpr = k % 2
-    if (P - 2) % 3 == 0:
-        _products(d, w, mt, n, cf, sc, k, 2, x, x, True, 0, 0, 0, 0, False, MP, NP, BM)  # A = X X^T
-    elif (P - 2) % 3 == 1:
-        _products(d, w, mt, n, cf, sc, k, 3, 2, 2, False, 2, 2, 3, 0, False, MP, NP, BM)  # B = b A + c A A
-    elif k == STEPS - 1:
-        _products(d, w, mt, n, cf, sc, k, -2, 3, x, False, x, 1, 0, 0, False, MP, NP, BM)  # out = factor X'
-    else:
-        _products(d, w, mt, n, cf, sc, k, 1 - x, 3, x, False, x, 1, 0, 0, False, MP, NP, BM)  # X <- aX + BX
-    # fmt: on
-
-
-@triton.jit
-def _gram_phase(d, w, mt, n, cf, sc, P: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
-    """Phase P >= 2 of the Gram iteration, :func:`phased_schedule` unrolled.
-
-    Slots: X1 0, X0 1, R 2, Z 3, Q 4 and 5, P 6.
-    """
-    # fmt: off
-    k: tl.constexpr = (P > 5) + (P > 7) + (P > 12) + (P > 16)  # the iteration of phase P
-    if P == 2:
-        _products(d, w, mt, n, cf, sc, k, 2, 1, 1, True, 0, 0, 0, 0, True, MP, NP, BM)  # R = X0 X0^T
-    elif P == 3 or P == 10:
-        _products(d, w, mt, n, cf, sc, k, 3, 2, 2, False, 2, 2, 3, 4, True, MP, NP, BM)  # Z; Q = Z + a I
-    elif P == 6 or P == 13 or P == 17:
-        _products(d, w, mt, n, cf, sc, k, 3, 2, 2, False, 2, 2, 3, 0, True, MP, NP, BM)  # Z = b R + c R R
-    elif P == 4 or P == 11 or P == 15:
-        _products(d, w, mt, n, cf, sc, k, 6, 2, 3, False, 2, 1, 0, 0, True, MP, NP, BM)  # P = a R + R Z
-    elif P == 5 or P == 12 or P == 16:
-        _products(d, w, mt, n, cf, sc, k, 2, 3, 6, False, 6, 1, 0, 0, True, MP, NP, BM)  # R = a P + Z P
-    elif P == 7 or P == 14:
-        _products(d, w, mt, n, cf, sc, k, 5, 4, 3, False, 4, 1, 0, 0, True, MP, NP, BM)  # Q <- aQ + QZ, 4 to 5
-    elif P == 18:
-        _products(d, w, mt, n, cf, sc, k, 4, 5, 3, False, 5, 1, 0, 0, True, MP, NP, BM)  # Q <- aQ + QZ, 5 to 4
-    elif P == 8:
-        _products(d, w, mt, n, cf, sc, k, 0, 5, 1, False, 0, 0, 0, 0, True, MP, NP, BM)  # restart: X1 = Q X0
-    elif P == 9:
-        _products(d, w, mt, n, cf, sc, k, 2, 0, 0, True, 0, 0, 0, 0, True, MP, NP, BM)  # R = X1 X1^T
-    else:
-        _products(d, w, mt, n, cf, sc, k, -2, 4, 0, False, 0, 0, 0, 0, True, MP, NP, BM)  # out = factor Q X1
-    # fmt: on
-
-
 @triton.jit(do_not_specialize=["count", "eps"])
 def _phased_kernel(
     src_ptr, dst_ptr, work_ptr, meta_ptr, count, partial_ptr, coef_ptr, scale_ptr, counter_ptr, eps,
-    FIRST: tl.constexpr, STOP: tl.constexpr, STEPS: tl.constexpr, SYNC: tl.constexpr, GRAM: tl.constexpr,
+    SCHEDULE: tl.constexpr, FIRST: tl.constexpr, STOP: tl.constexpr, SYNC: tl.constexpr, GRAM: tl.constexpr,
     MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
-    """Phases FIRST:STOP of :func:`phased_schedule`, unrolled; grid barriers between them with SYNC."""
+    """Phases FIRST:STOP of ``SCHEDULE``, unrolled at compile time; grid barriers between them with SYNC.
+
+    ``SCHEDULE``: :func:`phased_schedule` as a tuple of tuples.
+    """
     for P in tl.static_range(FIRST, STOP):
-        if P == 0:
+        if SCHEDULE[P][0] == 0:
             _norm_tiles(src_ptr, meta_ptr, count, partial_ptr, MP, NP, BM)
-        elif P == 1:
-            if GRAM:  # X0 in slot 1 (slot 0 takes X1 at the restart)
-                _normalise_tiles(src_ptr, work_ptr, meta_ptr, count, partial_ptr, eps, 1, GRAM, MP, NP, BM)
-            else:
-                _normalise_tiles(src_ptr, work_ptr, meta_ptr, count, partial_ptr, eps, 0, GRAM, MP, NP, BM)
-        elif GRAM:
-            _gram_phase(dst_ptr, work_ptr, meta_ptr, count, coef_ptr, scale_ptr, P, MP, NP, BM)
+        elif SCHEDULE[P][0] == 1:
+            _normalise_tiles(src_ptr, work_ptr, meta_ptr, count, partial_ptr, eps, SCHEDULE[P][1], GRAM, MP, NP, BM)
         else:
-            _standard_phase(dst_ptr, work_ptr, meta_ptr, count, coef_ptr, scale_ptr, P, STEPS, MP, NP, BM)
+            _products(  # the columns of a schedule row: see phased_schedule
+                dst_ptr, work_ptr, meta_ptr, count, coef_ptr, scale_ptr, SCHEDULE[P][8], SCHEDULE[P][1],
+                SCHEDULE[P][2], SCHEDULE[P][3], SCHEDULE[P][4] != 0, SCHEDULE[P][5], SCHEDULE[P][6],
+                SCHEDULE[P][7], SCHEDULE[P][9], GRAM, MP, NP, BM,
+            )  # fmt: skip
         if SYNC and P < STOP - 1:
             _grid_barrier(counter_ptr, (P - FIRST + 1) * tl.num_programs(0))
 
@@ -854,12 +808,12 @@ def phased_schedule(use_gram: bool) -> list[list[int]]:
     phases: list[list[int]] = []
 
     def product(k, out, left, right, *, t=False, c=0, alpha=0, beta=0, q=0):
-        phases.append([2, out, left, right, int(t), c, alpha, beta, k, q, int(out >= 2 or t), 0])
+        phases.append([2, out, left, right, int(t), c, alpha, beta, k, q])
 
     a, b, c = 1, 2, 3  # coefficient columns, + 1
     x0 = 1 if use_gram else 0
-    phases.append([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])  # sums of squares, per m x n tile
-    phases.append([1, x0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0])  # X0 = G / ||G||
+    phases.append([0] * PHASE_COLS)  # sums of squares, per m x n tile
+    phases.append([1, x0] + [0] * (PHASE_COLS - 2))  # X0 = G / ||G||
     if not use_gram:
         A, B = 2, 3
         x = x0
@@ -965,8 +919,8 @@ def orthogonalize_phased(
 
 
 def _phased_options(use_gram: bool, shape: tuple[int, int], sync: bool) -> dict[str, Any]:
-    steps = len(F.POLAR_EXPRESS_COEFFS) if use_gram else F.NS_FAST_STEPS + F.NS_POLISH_STEPS
-    options = {"STEPS": steps, "GRAM": use_gram, "MP": shape[0], "NP": shape[1], "BM": TILE, "SYNC": sync}
+    schedule = tuple(tuple(row) for row in phased_schedule(use_gram))
+    options = {"SCHEDULE": schedule, "GRAM": use_gram, "MP": shape[0], "NP": shape[1], "BM": TILE, "SYNC": sync}
     if sync:  # grid barriers: a cooperative launch makes the driver place every program at once
         options["launch_cooperative_grid"] = True
     return options | {"num_warps": 4}
