@@ -40,10 +40,11 @@ REPLAYS = 7  # replays timed; the median is printed
 def build(device: torch.device, use_gram: bool, count: int, m: int, n: int) -> dict:
     """Inputs and workspaces of one phased group, as ``flat.GroupEngine._build_phased`` makes them."""
     src = torch.randn(count * m * n, dtype=torch.float64, device=device)
-    meta, size = K.phased_layout([(i * m * n, m, n, n, 1, i) for i in range(count)], use_gram)
+    meta = [(i * m * n, m, n, n, 1, i) for i in range(count)]
+    size = K.phased_workspace(meta, use_gram)
     tiles = count * K.phased_tiles(m, n)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    work_dtype = K.GRAM_WORK_DTYPE if use_gram else K.STANDARD_WORK_DTYPE
+    work_dtype = K.work_dtype(use_gram)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     args = (
         src, torch.zeros_like(src), torch.zeros(size, dtype=work_dtype, device=device),

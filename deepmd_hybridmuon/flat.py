@@ -131,7 +131,6 @@ class _Phased:
     matrices: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
     # (flat offset, m, n, row stride, column stride, block) in the wide orientation
     meta: torch.Tensor | None = None
-    phases: int = 0
     partial: torch.Tensor | None = None
     work: torch.Tensor | None = None
     coefs: torch.Tensor | None = None
@@ -406,7 +405,7 @@ class GroupEngine:
         kw = {"device": self.device}
         f.table = torch.tensor(f.meta, dtype=torch.int64, **kw)
         size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
-        f.work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if f.use_gram else K.STANDARD_WORK_DTYPE, **kw)
+        f.work = torch.zeros(size, dtype=K.work_dtype(f.use_gram), **kw)
         f.coefs = K.coefficient_table(f.use_gram, self.device)
         f.panelled = K.panelled(f.use_gram, f.rows, f.cols)
         if f.panelled:
@@ -421,12 +420,10 @@ class GroupEngine:
     def _build_phased(self, K: Any, g: _Phased, groups: int) -> None:
         """Tables, workspaces and grid of one phased group (``groups`` of them may run at once)."""
         kw = {"device": self.device}
-        meta, size = K.phased_layout(g.matrices, g.use_gram)
-        g.meta = torch.tensor(meta, dtype=torch.int64, **kw)
-        g.phases = K.phase_count(g.use_gram)
-        tiles = len(meta) * K.phased_tiles(*g.shape)  # the largest phase: one m x n tile each
+        g.meta = torch.tensor(g.matrices, dtype=torch.int64, **kw)
+        tiles = len(g.matrices) * K.phased_tiles(*g.shape)  # the largest phase: one m x n tile each
         g.partial = torch.zeros(tiles, dtype=torch.float32, **kw)
-        g.work = torch.zeros(size, dtype=K.GRAM_WORK_DTYPE if g.use_gram else K.STANDARD_WORK_DTYPE, **kw)
+        g.work = torch.zeros(K.phased_workspace(g.matrices, g.use_gram), dtype=K.work_dtype(g.use_gram), **kw)
         g.coefs = K.coefficient_table(g.use_gram, self.device)
         g.counter = torch.zeros(1, dtype=torch.int32, **kw)
         g.programs = tiles
@@ -436,8 +433,9 @@ class GroupEngine:
 
     def _phased(self, g: _Phased, update: torch.Tensor, factor: torch.Tensor, last: bool) -> None:
         """All phases of ``g`` but the last (``last`` False), or the last one (the output)."""
-        n = g.phases
-        self._kernels().orthogonalize_phased(
+        K = self._kernels()
+        n = K.phase_count(g.use_gram)
+        K.orthogonalize_phased(
             update, self.muon_delta, g.work, g.meta, g.shape, g.partial, g.coefs, factor,
             g.counter, g.programs, g.use_gram, first=n - 1 if last else 0, stop=n if last else n - 1,
         )  # fmt: skip

@@ -45,6 +45,7 @@ is written into every parameter through a table of their addresses.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any
@@ -79,13 +80,14 @@ __all__ = [
     "panel_table",
     "panelled",
     "phase_count",
-    "phased_layout",
     "phased_schedule",
     "phased_tiles",
+    "phased_workspace",
     "prepare",
     "resident",
     "span_table",
     "wait_ready",
+    "work_dtype",
 ]
 
 #: Largest smaller side handled by one program: the ``m x m`` float32 accumulators of a
@@ -106,6 +108,11 @@ META_COLS: int = 8
 #: Workspace dtypes of the two iterations (those of the reference functions).
 STANDARD_WORK_DTYPE: torch.dtype = torch.bfloat16
 GRAM_WORK_DTYPE: torch.dtype = torch.float16
+
+
+def work_dtype(use_gram: bool) -> torch.dtype:
+    """Workspace dtype of the Gram (:data:`GRAM_WORK_DTYPE`) or standard iteration."""
+    return GRAM_WORK_DTYPE if use_gram else STANDARD_WORK_DTYPE
 
 
 def coefficient_table(use_gram: bool, device: torch.device) -> torch.Tensor:
@@ -803,8 +810,12 @@ def _phased_kernel(
             _grid_barrier(counter_ptr, (P - FIRST + 1) * tl.num_programs(0))
 
 
-def phased_schedule(use_gram: bool) -> list[list[int]]:
-    """The phases of one orthogonalisation (rows of :data:`PHASE_COLS` integers), in order."""
+@functools.cache
+def phased_schedule(use_gram: bool) -> tuple[tuple[int, ...], ...]:
+    """The phases of one orthogonalisation (rows of :data:`PHASE_COLS` integers), in order.
+
+    A tuple of tuples, as the kernel takes it (a compile-time constant); built once per iteration.
+    """
     phases: list[list[int]] = []
 
     def product(k, out, left, right, *, t=False, c=0, alpha=0, beta=0, q=0):
@@ -824,7 +835,7 @@ def phased_schedule(use_gram: bool) -> list[list[int]]:
             nxt = DST if k == steps - 1 else 1 - x
             product(k, nxt, B, x, c=x, alpha=a)
             x = nxt
-        return phases
+        return tuple(map(tuple, phases))
     X1, R, Z, P = 0, 2, 3, 6
     q = spare = 4  # Q alternates between slots 4 and 5 (a product never writes what it reads)
     product(0, R, x0, x0, t=True)
@@ -845,7 +856,7 @@ def phased_schedule(use_gram: bool) -> list[list[int]]:
             product(k, P, R, Z, c=R, alpha=a)
             product(k, R, Z, P, c=P, alpha=a)
     product(last, DST, q, X1)
-    return phases
+    return tuple(map(tuple, phases))
 
 
 def padded(size: int) -> int:
@@ -853,28 +864,23 @@ def padded(size: int) -> int:
     return -(-size // TILE) * TILE
 
 
-def phased_layout(matrices: list[tuple[int, int, int, int, int, int]], use_gram: bool) -> tuple[list[list[int]], int]:
-    """Metadata table of a phased group and its workspace size (elements).
+def phased_workspace(matrices: list[tuple[int, int, int, int, int, int]], use_gram: bool) -> int:
+    """Workspace size (elements) of a phased group, whose metadata table is ``matrices``.
 
-    ``matrices``: (source offset, m, n, row stride, column stride, block) per matrix, in the
-    wide orientation (m <= n), all of one padded shape (:func:`padded`).
+    ``matrices``: (source offset, m, n, row stride, column stride, block) per matrix
+    (:data:`PHASED_META_COLS`), in the wide orientation (m <= n), all of one padded shape
+    (:func:`padded`).
     """
     shapes = {(padded(m), padded(n)) for _, m, n, _, _, _ in matrices}
     if len(shapes) != 1:
         raise ValueError(f"a phased group holds matrices of one padded shape, not {sorted(shapes)}")
     mp, np_ = shapes.pop()
-    slab = 2 * mp * np_ + PHASED_SQUARE_SLOTS[use_gram] * mp * mp
-    return [list(row) for row in matrices], slab * len(matrices)
+    return (2 * mp * np_ + PHASED_SQUARE_SLOTS[use_gram] * mp * mp) * len(matrices)
 
 
 def phased_tiles(m: int, n: int) -> int:
     """Output tiles of the largest phase of one matrix (its m x n phases)."""
     return (padded(m) // TILE) * (padded(n) // TILE)
-
-
-#: Launch one phase at a time (no grid barrier): under the interpreter, which runs the
-#: programs of a launch one after another.
-PHASE_BY_PHASE: bool = False
 
 
 def phase_count(use_gram: bool) -> int:
@@ -900,15 +906,15 @@ def orthogonalize_phased(
     """Phases ``first:stop`` of the orthogonalisation of a phased group (see the section comment).
 
     The last phase writes ``scale * O`` to ``dst``; the engine runs it apart, once ``scale``
-    is known, and the others as soon as ``src`` is. ``meta`` and the size of ``work`` (zeros,
-    :data:`GRAM_WORK_DTYPE` or :data:`STANDARD_WORK_DTYPE`) come from :func:`phased_layout`;
+    is known, and the others as soon as ``src`` is. ``meta``: the group's table (int64), and
+    ``work``: zeros of :func:`work_dtype`, sized by :func:`phased_workspace`;
     ``shape``: the group's padded (m, n); ``partial``: float32, one per m x n tile;
     ``counter``: one int32; ``programs``: the grid (at most the SMs this launch may hold
     while others run).
     """
     stop = phase_count(use_gram) if stop is None else stop
     args = (src, dst, work, meta, meta.size(0), partial, coefs, scale, counter, F.NS_EPS)
-    if PHASE_BY_PHASE or src.device.type != "cuda":
+    if src.device.type != "cuda":  # the interpreter runs programs one after another: no barriers
         for ph in range(first, stop):
             _phased_kernel[(programs,)](*args, FIRST=ph, STOP=ph + 1, **_phased_options(use_gram, shape, False))
         return
@@ -919,8 +925,8 @@ def orthogonalize_phased(
 
 
 def _phased_options(use_gram: bool, shape: tuple[int, int], sync: bool) -> dict[str, Any]:
-    schedule = tuple(tuple(row) for row in phased_schedule(use_gram))
-    options = {"SCHEDULE": schedule, "GRAM": use_gram, "MP": shape[0], "NP": shape[1], "BM": TILE, "SYNC": sync}
+    options = {"SCHEDULE": phased_schedule(use_gram), "GRAM": use_gram, "SYNC": sync}
+    options |= {"MP": shape[0], "NP": shape[1], "BM": TILE}
     if sync:  # grid barriers: a cooperative launch makes the driver place every program at once
         options["launch_cooperative_grid"] = True
     return options | {"num_warps": 4}
@@ -1144,7 +1150,7 @@ def _compile(key: tuple[Any, ...], device: torch.device) -> None:
         _magma_finish_kernel.warmup(i64, f32, 2, f32, f32, f32, vec[0], f32[0], **_MAGMA_OPTIONS, grid=(1,))
     elif kind == "phased":  # the engine's two launches: all phases but the last, and the last
         use_gram, shape = key[1], key[2]
-        work = torch.zeros(16, dtype=GRAM_WORK_DTYPE if use_gram else STANDARD_WORK_DTYPE, device=device)
+        work = torch.zeros(16, dtype=work_dtype(use_gram), device=device)
         args = (vec, vec, work, i64, 1, f32, f32, f32, torch.zeros(1, dtype=torch.int32, device=device), F.NS_EPS)
         n = phase_count(use_gram)
         for first, stop in ((0, n - 1), (n - 1, n)):
@@ -1166,5 +1172,5 @@ def _compile(key: tuple[Any, ...], device: torch.device) -> None:
             _panel_apply_kernel.warmup(*args, BM=bm, BN=PANEL, FINAL=restart, num_warps=warps, grid=(1,))
     else:
         options = dict(key[1])
-        work = torch.zeros(16, dtype=GRAM_WORK_DTYPE if options["GRAM"] else STANDARD_WORK_DTYPE, device=device)
+        work = torch.zeros(16, dtype=work_dtype(options["GRAM"]), device=device)
         _newton_schulz_kernel.warmup(vec, vec, work, i64, f32, f32, 2, F.NS_EPS, **options, grid=(1,))
