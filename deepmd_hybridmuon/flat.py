@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,7 +154,7 @@ def is_dtensor(t: object) -> bool:
 def _compiling() -> bool:
     """Whether Triton kernels are compiling in the background (kernels.prepare).
 
-    A graph is not captured meanwhile: the compiling thread loads modules and allocates,
+    A graph is not captured meanwhile: loading the compiled kernels loads modules and allocates,
     which CUDA forbids during a capture. The eager step runs instead.
     """
     kernels = sys.modules.get(f"{__package__}.kernels")
@@ -339,7 +338,7 @@ class GroupEngine:
         use_gram = bool(group["enable_gram"])
         K = self._kernels() if self.fused else None
         fused, phased, buckets = self._assign(K, use_gram)
-        self.compiling: threading.Event | None = None
+        self.compiling: Any = None  # kernels.prepare's pending compilation, until ready
         if K is not None:
             paths = [(f.use_gram, f.rows, f.cols) for f in fused]
             paths += [(g.use_gram, *g.shape) for g in phased]

@@ -37,7 +37,7 @@ def kernels():
         from deepmd_hybridmuon import kernels as K
 
         mp = pytest.MonkeyPatch()
-        mp.setattr(K, "BACKGROUND_COMPILE", False)  # the kernels from the first step on
+        mp.setattr(K, "registry", K.KernelRegistry(background=False))  # the kernels from the first step on
         yield K, torch.device("cuda")
         mp.undo()
         return
@@ -396,8 +396,7 @@ def test_engine_with_kernels_skips_a_non_finite_step(kernels, bad):
 @pytest.mark.skipif(not CUDA, reason="Triton compiles only for a GPU")
 def test_first_steps_take_the_torch_path_while_triton_compiles(kernels, monkeypatch):
     K, device = kernels
-    monkeypatch.setattr(K, "BACKGROUND_COMPILE", True)
-    monkeypatch.setattr(K, "_ready", set())  # as in a fresh process
+    monkeypatch.setattr(K, "registry", K.KernelRegistry())  # as in a fresh process
     _, opt = _train(device, True, torch.float32, steps=1)
     engine = opt._engines[0]
     assert engine.compiling is not None and not engine.fused_paths
@@ -413,9 +412,7 @@ def test_first_steps_take_the_torch_path_while_triton_compiles(kernels, monkeypa
 
 def test_a_kernel_that_does_not_compile_leaves_the_torch_path(monkeypatch, caplog):
     K = pytest.importorskip("deepmd_hybridmuon.kernels")
-    monkeypatch.setattr(K, "_ready", set())
-    monkeypatch.setattr(K, "_failed", set())
-    monkeypatch.setattr(K, "BACKGROUND_COMPILE", False)
+    monkeypatch.setattr(K, "registry", K.KernelRegistry(background=False))
 
     def broken(key, device):
         raise RuntimeError("unsupported instruction")
