@@ -121,17 +121,30 @@ def make_input(
     start_lr: float,
     seed: int,
     valid_batches: int,
+    keep_schedule: bool = False,
 ) -> dict[str, Any]:
-    """The input of one run: ``config`` with run length, schedule, optimizer, seeds, absolute paths."""
+    """The input of one run: ``config`` with run length, schedule, optimizer, seeds, absolute paths.
+
+    ``keep_schedule``: the config's own ``learning_rate`` section (e.g. DPA-4's wsd) with its
+    ``start_lr`` replaced and ``stop_lr`` scaled by the same factor; otherwise an exponential
+    schedule from ``start_lr`` to ``start_lr / LR_RATIO``.
+    """
     cfg = copy.deepcopy(config)
     base = config_path.parent
     disp_freq = max(1, steps // N_DISP)
-    cfg["learning_rate"] = {
-        "type": "exp",
-        "start_lr": start_lr,
-        "stop_lr": start_lr / LR_RATIO,
-        "decay_steps": max(1, steps // N_DISP),
-    }
+    own = cfg.get("learning_rate") or {}
+    if keep_schedule and "start_lr" in own:
+        ratio = start_lr / float(own["start_lr"])
+        cfg["learning_rate"] = {**own, "start_lr": start_lr}
+        if "stop_lr" in own:
+            cfg["learning_rate"]["stop_lr"] = float(own["stop_lr"]) * ratio
+    else:
+        cfg["learning_rate"] = {
+            "type": "exp",
+            "start_lr": start_lr,
+            "stop_lr": start_lr / LR_RATIO,
+            "decay_steps": max(1, steps // N_DISP),
+        }
     cfg["optimizer"] = copy.deepcopy(section)
     model = cfg.setdefault("model", {})
     for key in ("descriptor", "fitting_net"):
@@ -153,6 +166,7 @@ def make_input(
         if isinstance(data, dict) and "systems" in data:
             data["systems"] = _absolute_systems(data["systems"], base)
     if isinstance(training.get("validation_data"), dict):
+        training["validation_data"].pop("numb_batch", None)  # deepmd's alias of numb_btch (DPA-4's example)
         training["validation_data"]["numb_btch"] = valid_batches
     return cfg
 
@@ -279,8 +293,9 @@ def run_one(
         "steps": steps,
         "disp_freq": cfg["training"]["disp_freq"],
         "start_lr": start_lr,
-        "stop_lr": cfg["learning_rate"]["stop_lr"],
-        "decay_steps": cfg["learning_rate"]["decay_steps"],
+        "stop_lr": cfg["learning_rate"].get("stop_lr"),
+        "decay_steps": cfg["learning_rate"].get("decay_steps"),
+        "lr_schedule": cfg["learning_rate"].get("type", "exp"),
         "valid_batches": args.valid_batches,
         "optimizer_section": cfg["optimizer"],
         "hm_kw": {k: repr(v) for k, v in hm_kw.items()} if optimizer in ("ours", "builtin") else {},
@@ -522,6 +537,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     start_lr=start_lr,
                     seed=seed,
                     valid_batches=args.valid_batches,
+                    keep_schedule=args.keep_lr_schedule,
                 )
                 plan.append((name, path, config, opt, label, seed, steps, start_lr, kw, cfg))
 
@@ -794,6 +810,11 @@ def main(argv: list[str] | None = None) -> int:
         help="extra HybridMuon key for ours and builtin, or ours:KEY=VALUE for one (repeatable)",
     )
     r.add_argument("--tag", default="", help="suffix of the optimizer labels (e.g. for a --hm-kw variant)")
+    r.add_argument(
+        "--keep-lr-schedule",
+        action="store_true",
+        help="keep the config's learning_rate section (e.g. DPA-4's wsd), only start_lr/stop_lr scaled",
+    )
     r.add_argument("--valid-batches", type=int, default=8, help="validation_data numb_btch (default 8)")
     r.add_argument("--workdir", type=Path, default=Path("train_quality_runs"), help="default ./train_quality_runs")
     r.add_argument("--json", type=Path, default=None, help="results file (default WORKDIR/results.json)")
