@@ -75,7 +75,9 @@ def _load(path: str) -> Any:
         raise CheckError(f"cannot be parsed as JSON: {err}") from err
     except Exception as err:  # yaml.YAMLError (yaml is deepmd's dependency, not ours)
         if type(err).__module__.startswith("yaml"):
-            raise CheckError(f"cannot be parsed as YAML: {err}") from err
+            mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise CheckError(f"cannot be parsed as YAML{where}: {problem or err}") from err
         raise
     return data
 
@@ -224,7 +226,7 @@ def _routing_rows(models: dict[str, Any], muon_mode: str) -> list[Row]:
 
 def _print_summary(rows: list[Row], muon_mode: str, out: TextIO) -> None:
     """Count and elements per route, with the reasons behind each count."""
-    print(f"\nrouting (muon_mode={muon_mode!r}), {len(rows)} parameters:", file=out)
+    print(f"\nrouting (muon_mode={muon_mode!r}): {len(rows)} parameters", file=out)
     for route in ROUTES:
         picked = [r for r in rows if r[2] == route]
         reasons = Counter(r[4] for r in picked)
