@@ -131,7 +131,7 @@ def train_input_arguments() -> list[Any]:
     """The whole ``dp train`` input schema with our optimizer registered.
 
     For ``dargs check -f deepmd_hybridmuon.plugin.train_input_arguments input.json``
-    (no deepmd compat conversion there: use ``dp-hybridmuon check`` for legacy inputs).
+    (no deepmd compat conversion there: use ``dp check`` for legacy inputs).
     """
     from deepmd.utils.argcheck import gen_args
 
@@ -414,8 +414,12 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
     @functools.wraps(original)
     def main(args: list[str] | None = None) -> Any:
         argv = list(sys.argv[1:] if args is None else args)
-        parser = _dp_parser(module)
-        command = None if parser is None else _dp_command(parser, argv)
+        try:
+            parser = _dp_parser(module)
+            command = None if parser is None else _dp_command(parser, argv)
+        except Exception as err:  # another deepmd-kit's parser: dp stays deepmd's own
+            log.debug("dp check not added: reading dp's parser failed: %r", err)
+            parser, command = None, None
         if parser is None or command not in (None, "check"):
             return original(args)
         from .cli import run_check
