@@ -17,7 +17,16 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = ["CHECK_DESCRIPTION", "CHECK_HELP", "CheckError", "add_check_arguments", "check_input", "main", "run_check"]
+__all__ = [
+    "CHECK_DESCRIPTION",
+    "CHECK_HELP",
+    "CheckError",
+    "add_check_arguments",
+    "check_input",
+    "main",
+    "run_check",
+    "triton_decision",
+]
 
 #: One line for the list of subcommands (``dp -h``, ``dp-hybridmuon -h``).
 CHECK_HELP = "validate a dp train input with the HybridMuon schema and print its optimizer routing"
@@ -275,7 +284,7 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
     if not flash_muon:
         why = "flash_muon is false"
     elif device.type != "cuda":
-        why = f"deepmd trains on {device}, not on a CUDA GPU"
+        why = f"not a CUDA GPU (deepmd's device is {device})"
     elif torch.cuda.get_device_capability(device) < (8, 0):
         major, minor = torch.cuda.get_device_capability(device)
         why = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; the kernels need 8.0"

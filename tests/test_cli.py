@@ -151,7 +151,7 @@ def test_triton_decision_follows_the_engine_condition(monkeypatch):
     cpu = torch.device("cpu")
     assert triton_decision(True, cpu) == (
         False,
-        "off: deepmd trains on cpu, not on a CUDA GPU; batched torch kernels instead",
+        "off: not a CUDA GPU (deepmd's device is cpu); batched torch kernels instead",
     )
     assert triton_decision(False, cpu)[1].startswith("off: flash_muon is false")
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
