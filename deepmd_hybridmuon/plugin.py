@@ -4,7 +4,8 @@ deepmd-kit loads three entry-point groups, each pointing here:
 
 * ``deepmd.backend`` (every ``dp`` command): :func:`on_deepmd_backend` checks the deepmd-kit
   version and puts our ``HybridMuon`` schema in place of the built-in one in
-  ``deepmd.utils.argcheck.opt_args_plugin``.
+  ``deepmd.utils.argcheck.opt_args_plugin``; :func:`add_dp_check` gives ``dp`` its ``check``
+  subcommand.
 * ``deepmd.pt`` / ``deepmd.pt_expt`` (when a PyTorch backend is imported): register a
   post-import hook on ``deepmd.pt.train.training`` / ``deepmd.pt_expt.train.training``;
   when the module is imported, :func:`patch_trainer` wraps three methods of its ``Trainer``:
@@ -25,6 +26,8 @@ import functools
 import inspect
 import logging
 import os
+import sys
+import types
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -39,6 +42,7 @@ from .schema import HYBRID_MUON_DOC, hybrid_muon_arguments, resolve_legacy_keys
 
 __all__ = [
     "SUPPORTED_DEEPMD",
+    "add_dp_check",
     "check_deepmd_version",
     "on_deepmd_backend",
     "on_deepmd_pt",
@@ -127,7 +131,7 @@ def train_input_arguments() -> list[Any]:
     """The whole ``dp train`` input schema with our optimizer registered.
 
     For ``dargs check -f deepmd_hybridmuon.plugin.train_input_arguments input.json``
-    (no deepmd compat conversion there: use ``dp-hybridmuon check`` for legacy inputs).
+    (no deepmd compat conversion there: use ``dp check`` for legacy inputs).
     """
     from deepmd.utils.argcheck import gen_args
 
@@ -285,6 +289,153 @@ def _hook_trainer_module(name: str) -> None:
     wrapt.register_post_import_hook(patch_trainer, name)
 
 
+# --------------------------------------------------------------------------- dp check
+
+DP_MAIN_MODULE = "deepmd.main"
+
+
+def add_dp_check(module: types.ModuleType | None = None) -> None:
+    """Give deepmd-kit's ``dp`` a ``check`` subcommand: ``dp [--pt | --pt-expt] check input.json``.
+
+    ``dp`` has no hook for new subcommands. This relies on the following shape of
+    ``deepmd.main`` (deepmd-kit 3.2), and changes nothing of deepmd-kit's files:
+
+    * ``dp`` is a console script that imports ``deepmd.main`` and then reads its ``main``;
+      importing ``deepmd.main`` imports ``deepmd.backend``, which runs this function (entry
+      point group ``deepmd.backend``) while ``deepmd.main`` is a plain module in
+      ``sys.modules`` that is still being imported;
+    * once imported, ``deepmd.main`` has ``main(args=None)`` and ``main_parser()``, which
+      returns dp's ``argparse`` parser with one subparsers action whose ``dest`` is
+      ``"command"``.
+
+    The module's class is then set to :class:`_DpMainModule`, whose ``main`` attribute is
+    deepmd's ``main`` wrapped by :func:`_dp_main`: a command line whose command is ``check``,
+    or one without a command (``dp``, ``dp -h``), is parsed by deepmd's parser with our
+    ``check`` subparser added; every other one goes to deepmd's ``main`` as it is. The
+    module's own code reads its globals, not the attribute, and is unchanged.
+
+    Anything else (``deepmd.main`` absent, not a plain module, no ``main`` or
+    ``main_parser``, a parser without that subparsers action): ``dp`` is deepmd's own and a
+    DEBUG line on ``deepmd.hybridmuon`` says why. Idempotent.
+
+    Parameters
+    ----------
+    module
+        The module to change; ``sys.modules["deepmd.main"]`` by default.
+    """
+    module = sys.modules.get(DP_MAIN_MODULE) if module is None else module
+    if module is None:
+        log.debug("dp check not added: %s is not being imported (dp's entry point imports it first)", DP_MAIN_MODULE)
+        return
+    if isinstance(module, _DpMainModule):
+        return
+    if type(module) is not types.ModuleType:
+        log.debug("dp check not added: %s is a %s, not a plain module", module.__name__, type(module).__name__)
+        return
+    module.__class__ = _DpMainModule
+
+
+class _DpMainModule(types.ModuleType):
+    """``deepmd.main`` whose ``main`` attribute knows ``check`` (see :func:`add_dp_check`)."""
+
+    @property
+    def main(self) -> Callable[..., Any]:
+        """deepmd's ``main`` wrapped by :func:`_dp_main` (the same wrapper at every read)."""
+        try:
+            original = self.__dict__["main"]
+        except KeyError:
+            raise AttributeError(f"module {self.__name__!r} has no attribute 'main'") from None
+        wrapper = self.__dict__.get("_hybridmuon_main")
+        if getattr(wrapper, "__wrapped__", None) is not original:
+            wrapper = self.__dict__["_hybridmuon_main"] = _dp_main(self, original)
+        return wrapper
+
+    @main.setter
+    def main(self, value: Callable[..., Any]) -> None:
+        self.__dict__["main"] = value
+
+    @main.deleter
+    def main(self) -> None:
+        del self.__dict__["main"]
+
+
+def _dp_parser(module: types.ModuleType) -> Any:
+    """dp's parser with ``check`` added, or ``None`` (logged at DEBUG) if it is not the expected shape."""
+    import argparse
+
+    from .cli import CHECK_DESCRIPTION, CHECK_HELP, add_check_arguments
+
+    main_parser = module.__dict__.get("main_parser")
+    if not callable(main_parser):
+        log.debug("dp check not added: %s has no main_parser()", module.__name__)
+        return None
+    parser = main_parser()
+    actions = [a for a in getattr(parser, "_actions", ()) if isinstance(a, argparse._SubParsersAction)]
+    if not isinstance(parser, argparse.ArgumentParser) or len(actions) != 1 or actions[0].dest != "command":
+        log.debug("dp check not added: %s.main_parser() has no subparsers action 'command'", module.__name__)
+        return None
+    if "check" in actions[0].choices:
+        log.debug("dp check not added: dp already has a 'check' command")
+        return None
+    check = actions[0].add_parser("check", help=CHECK_HELP, description=CHECK_DESCRIPTION)
+    add_check_arguments(check)
+    return parser
+
+
+def _dp_command(parser: Any, argv: list[str]) -> str | None:
+    """The command word of dp's command line: the first argument that is not an option or an option's value.
+
+    Follows argparse's reading of dp's top-level options: ``-b pt``, ``-bpt``, ``--backend pt``,
+    ``--backend=pt`` and unambiguous prefixes of long options (``--back pt``).
+    """
+    options = {o: a.nargs != 0 for a in parser._actions for o in a.option_strings}  # option -> takes a value
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            return next(words, None)
+        if not word.startswith("-") or word == "-":
+            return word
+        if "=" in word:
+            continue
+        if word in options:
+            matches = [word]
+        elif word.startswith("--"):
+            matches = [o for o in options if o.startswith(word)]
+        else:
+            matches = []  # -bpt: the value is attached
+        if matches and all(options[o] for o in matches):
+            next(words, None)
+    return None
+
+
+def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
+    """deepmd's ``main`` with the ``check`` command added (see :func:`add_dp_check`)."""
+
+    @functools.wraps(original)
+    def main(args: list[str] | None = None) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            parser = _dp_parser(module)
+            command = None if parser is None else _dp_command(parser, argv)
+        except Exception as err:  # another deepmd-kit's parser: dp stays deepmd's own
+            log.debug("dp check not added: reading dp's parser failed: %r", err)
+            parser, command = None, None
+        if parser is None or command not in (None, "check"):
+            return original(args)
+        from .cli import run_check
+
+        parsed = parser.parse_args(argv)
+        if parsed.command is None:  # `dp` alone: deepmd prints its help
+            parser.print_help()
+            return None
+        status = run_check(parsed)
+        if status:
+            raise SystemExit(status)  # `python -m deepmd` ignores main's return value
+        return None
+
+    return main
+
+
 # ------------------------------------------------------------------------ entry points
 
 #: Set this environment variable to a non-empty value other than "0" to keep deepmd-kit's
@@ -292,19 +443,24 @@ def _hook_trainer_module(name: str) -> None:
 DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
 
 
-def _enable(trainer_module: str | None) -> None:
-    """Version check and schema registration; then patch ``trainer_module`` when it is imported."""
+def _enable(trainer_module: str | None) -> bool:
+    """Version check and schema registration; then patch ``trainer_module`` when it is imported.
+
+    Returns ``False`` (and does nothing) when :data:`DISABLE_ENV` is set.
+    """
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        return
+        return False
     check_deepmd_version()
     register_schema()
     if trainer_module is not None:
         _hook_trainer_module(trainer_module)
+    return True
 
 
 def on_deepmd_backend() -> None:
-    """Entry point of group ``deepmd.backend``: version check and schema registration."""
-    _enable(None)
+    """Entry point of group ``deepmd.backend``: version check, schema registration, ``dp check``."""
+    if _enable(None):
+        add_dp_check()
 
 
 def on_deepmd_pt() -> None:

@@ -1,17 +1,27 @@
-"""`dp-hybridmuon check`: exit codes and messages on the examples and on bad inputs."""
+"""The check (`dp check`, `dp-hybridmuon check`): exit codes and messages on the examples and on bad inputs;
+the `dp` command with `check` added and every other command as deepmd-kit's."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
-from deepmd_hybridmuon.cli import main
+from deepmd_hybridmuon.cli import main, triton_decision
+from deepmd_hybridmuon.plugin import add_dp_check
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+BIN = Path(sys.executable).parent
+DP = str(BIN / "dp")
+DP_HYBRIDMUON = str(BIN / "dp-hybridmuon")
 
 
 def _write(tmp_path: Path, config: dict, name: str = "input.json") -> str:
@@ -31,11 +41,11 @@ def test_examples_pass_and_print_settings_and_routing(legacy, capsys):
     assert "optimizer: HybridMuon (deepmd-hybridmuon)" in out
     assert "muon_mode        'slice'" in out
     assert "routing (muon_mode='slice'):" in out
-    # the example's se_e2_a: embedding/fitting matrices on Muon, biases on Adam, totals printed
-    assert "fitting_net.filter_layers.networks.0.layers.1.matrix" in out
-    assert "totals:" in out
+    # the example's se_e2_a: embedding/fitting matrices on Muon, biases on Adam; a summary per route only
+    assert "fitting_net.filter_layers.networks.0.layers.1.matrix" not in out
     muon_line = next(line for line in out.splitlines() if line.strip().startswith("muon "))
     assert int(muon_line.split()[1]) > 0
+    assert "on this machine" in out and "Triton kernels" in out and "zero_stage 0    DDP" in out
 
 
 @pytest.mark.parametrize(
@@ -85,3 +95,269 @@ def test_console_script_and_module_entry(tmp_path):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         assert proc.returncode == 1
         assert "(got '3D ')" in proc.stderr
+
+
+def test_table_lists_every_parameter_after_the_summary(capsys):
+    assert main(["check", "--table", str(EXAMPLES / "input.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    summary = {line.split()[0]: int(line.split()[1]) for line in lines if " tensors " in line}
+    assert set(summary) == {"muon", "adam", "adamw"}
+    header = next(
+        i for i, line in enumerate(lines) if line.split()[:5] == ["parameter", "shape", "route", "matrices", "reason"]
+    )
+    assert header > next(i for i, line in enumerate(lines) if " tensors " in line)
+    rows = [line.split() for line in lines[header + 1 :] if line.startswith("  atomic_model.")]
+    assert len(rows) == sum(summary.values())
+    by_name = {row[0]: row for row in rows}
+    matrix = by_name["atomic_model.fitting_net.filter_layers.networks.0.layers.1.matrix"]
+    assert matrix[-3:] == ["muon", "1x32x32", "matrix"]
+    assert by_name["atomic_model.fitting_net.filter_layers.networks.0.layers.1.bias"][-3:] == ["adam", "-", "name"]
+    assert sum(row[-3] == "muon" for row in rows) == summary["muon"]
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["-h"])
+    with pytest.raises(SystemExit):
+        main(["check", "-h"])
+    out = capsys.readouterr().out
+    assert "``" not in out and "--table" in out and "dp check" in out
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"flash_muon": False}, "Triton kernels  off: flash_muon is false; batched torch kernels instead"),
+        ({"zero_stage": 1}, "zero_stage 1    ZeRO-1 under torchrun: ZeroRedundancyOptimizer"),
+        ({"zero_stage": 2}, "zero_stage 2    FSDP2 under torchrun"),
+        ({"zero_stage": 3}, "zero_stage 3    FSDP2 under torchrun"),
+    ],
+)
+def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, change, expected):
+    config = _example()
+    if "zero_stage" in change:
+        config["training"].update(change)
+    else:
+        config["optimizer"].update(change)
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
+    out = capsys.readouterr().out
+    assert expected in out
+    if change.get("zero_stage", 0) >= 2:
+        assert "no flat engine, no Triton kernels" in out
+
+
+def test_triton_decision_follows_the_engine_condition(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert triton_decision(True, cpu) == (
+        False,
+        "off: not a CUDA GPU (deepmd's device is cpu); batched torch kernels instead",
+    )
+    assert triton_decision(False, cpu)[1].startswith("off: flash_muon is false")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
+        on, why = triton_decision(True, torch.device("cuda", 0))
+        assert on and why.startswith("on: flash_muon is true, Triton"), why
+
+
+def test_zero_stage_out_of_range_exits_1(tmp_path, capsys):
+    config = _example()
+    config["training"]["zero_stage"] = 4
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 1
+    assert "key `zero_stage` must be 0, 1, 2 or 3 (got 4)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "expected"),
+    [
+        ("{}", "input.json", "no `model` and no `training` section: a dp train input needs `model` and `training`"),
+        ("[1, 2]", "input.json", "the top level must be an object of sections (model, learning_rate, loss, training"),
+        ("", "empty.json", "cannot be parsed as JSON: Expecting value"),
+        ("", "empty.yaml", "the top level must be an object of sections"),
+        ("a: [", "bad.yaml", "cannot be parsed as YAML"),
+        ('{"model": {"type_map": ["A"]}, "training": 3}', "input.json", "`training` must be an object, got int 3"),
+        ("{}", "input.txt", "unknown file type '.txt': expected .json, .yaml or .yml"),
+    ],
+)
+def test_bad_files_get_a_message_naming_the_file_once(tmp_path, capsys, text, name, expected):
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and err.count(str(path)) == 1, err
+    assert expected in err
+
+
+def test_legacy_optimizer_key_overriding_the_optimizer_section_is_reported(tmp_path, capsys):
+    config = _example(legacy=True)
+    config["optimizer"] = {"type": "Adam"}
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
+    captured = capsys.readouterr()
+    assert (
+        "warning: training.opt_type='HybridMuon' and optimizer.type='Adam' are both set: deepmd-kit's conversion "
+        "of the legacy layout lets training.opt_type win, so dp train uses 'HybridMuon'"
+    ) in captured.err
+    assert "optimizer: HybridMuon" in captured.out  # what deepmd will really do
+
+
+# ------------------------------------------------------------------ the real `dp`
+
+
+def _run(
+    cmd: list[str], cwd: Path | None = None, disable: bool = False, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "DEEPMD_HYBRIDMUON_DISABLE"}
+    env["OMP_NUM_THREADS"] = "1"
+    if disable:
+        env["DEEPMD_HYBRIDMUON_DISABLE"] = "1"
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The example as JSON, as YAML and in the legacy layout."""
+    root = tmp_path_factory.mktemp("check_inputs")
+    config = _example()
+    (root / "input.yaml").write_text(yaml.safe_dump(config))
+    return {
+        "json": str(EXAMPLES / "input.json"),
+        "yaml": str(root / "input.yaml"),
+        "legacy": str(EXAMPLES / "input_legacy.json"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "kind", "table"),
+    [([], "json", ["--table"]), (["--pt"], "yaml", []), (["--pt-expt"], "legacy", ["--table"])],
+)
+def test_dp_check_is_dp_hybridmuon_check(inputs, capsys, backend, kind, table):
+    assert main(["check", *table, inputs[kind]]) == 0  # what `dp-hybridmuon check` prints (the same function)
+    ours = capsys.readouterr().out
+    dp = _run([DP, *backend, "check", *table, inputs[kind]])
+    assert dp.returncode == 0, dp.stderr[-3000:]
+    assert dp.stdout == ours
+    assert "optimizer: HybridMuon (deepmd-hybridmuon)" in dp.stdout and "on this machine" in dp.stdout
+    assert ("routing table:" in dp.stdout) == bool(table)
+
+
+@pytest.mark.slow
+def test_dp_check_invalid_input_exits_1_and_usage_error_exits_2(tmp_path):
+    config = _example()
+    config["optimizer"]["muon_mode"] = "3d"
+    path = _write(tmp_path, config)
+    ours = _run([DP_HYBRIDMUON, "check", "--no-routing", path])
+    dp = _run([DP, "--pt", "check", "--no-routing", path])
+    assert ours.returncode == dp.returncode == 1
+    assert dp.stderr.splitlines()[-1] == ours.stderr.splitlines()[-1]
+    assert "key `muon_mode`" in dp.stderr and "expected one of '2d', 'flat', 'slice' (got '3d')" in dp.stderr
+    usage = _run([DP, "check"])
+    assert usage.returncode == 2 and "dp check: error: the following arguments are required: input" in usage.stderr
+    helped = _run([DP, "check", "-h"])
+    assert helped.returncode == 0 and "usage: dp check [-h] [--table] [--no-routing] input" in helped.stdout
+
+
+def _without_check(help_text: str) -> str:
+    """dp's help with our `check` line and choice taken out, whitespace normalised (argparse rewraps)."""
+    lines = [line for line in help_text.splitlines() if not line.strip().startswith("check ")]
+    return " ".join("\n".join(lines).replace(",check}", "}").split())
+
+
+@pytest.mark.slow
+def test_dp_help_version_and_other_commands_are_deepmds():
+    ours, theirs = _run([DP, "-h"]), _run([DP, "-h"], disable=True)
+    assert ours.returncode == theirs.returncode == 0
+    check_lines = [line for line in ours.stdout.splitlines() if line.strip().startswith("check ")]
+    assert len(check_lines) == 1 and "HybridMuon" in check_lines[0]
+    assert "check" not in theirs.stdout
+    assert _without_check(ours.stdout) == _without_check(theirs.stdout)
+    for args in (["--version"], ["--pt", "train", "-h"], ["--pt", "freeze", "-h"], ["--pt", "train"]):
+        ours, theirs = _run([DP, *args]), _run([DP, *args], disable=True)
+        assert (ours.returncode, ours.stdout, ours.stderr) == (theirs.returncode, theirs.stdout, theirs.stderr), args
+    # with the plugin off, `dp` is deepmd's own: no check command
+    off = _run([DP, "check", "x.json"], disable=True)
+    assert off.returncode == 2 and "invalid choice: 'check'" in off.stderr
+
+
+@pytest.mark.slow
+def test_dp_train_and_freeze_run_as_before(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "make_data.py"),
+            "--out",
+            str(tmp_path / "data"),
+            "--ntrain",
+            "4",
+            "--nvalid",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    config = _example()
+    training = config["training"]
+    training["training_data"]["systems"] = [str(tmp_path / "data" / "train")]
+    training["validation_data"]["systems"] = [str(tmp_path / "data" / "valid")]
+    training.update(numb_steps=2, disp_freq=1, save_freq=2)
+    training.pop("stat_file", None)
+    _write(tmp_path, config)
+    train = _run([DP, "--pt", "train", "input.json"], cwd=tmp_path)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "optimizer: deepmd-hybridmuon" in train.stderr + train.stdout
+    freeze = _run([DP, "--pt", "freeze", "-o", "frozen.pth"], cwd=tmp_path)
+    assert freeze.returncode == 0, freeze.stderr[-3000:]
+    assert (tmp_path / "frozen.pth").stat().st_size > 0
+
+
+def test_dp_main_is_left_alone_when_not_being_imported():
+    """deepmd.backend imported before deepmd.main (as if deepmd.main no longer imported it): dp is deepmd's."""
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.DEBUG, format='%(name)s %(levelname)s %(message)s')\n"
+        "import deepmd.backend, deepmd.main\n"
+        "deepmd.main.main(['check', 'input.json'])\n"
+    )
+    proc = _run([sys.executable, "-c", script])
+    assert proc.returncode == 2 and "invalid choice: 'check'" in proc.stderr
+    assert "deepmd.hybridmuon DEBUG dp check not added: deepmd.main is not being imported" in proc.stderr
+
+
+def _other_deepmd_main(main_parser=None) -> tuple[types.ModuleType, list]:
+    """A module shaped like another deepmd-kit's ``deepmd.main``; its ``main`` records its calls."""
+    module = types.ModuleType("deepmd_main_elsewhere")
+    calls: list = []
+    module.main = lambda args=None: calls.append(args)
+    if main_parser is not None:
+        module.main_parser = main_parser
+    return module, calls
+
+
+@pytest.mark.parametrize("shape", ["no main_parser", "no subparsers"])
+def test_dp_main_of_another_shape_runs_unchanged(caplog, shape):
+    import argparse
+
+    module, calls = _other_deepmd_main(None if shape == "no main_parser" else argparse.ArgumentParser)
+    add_dp_check(module)
+    with caplog.at_level(logging.DEBUG, logger="deepmd.hybridmuon"):
+        module.main(["check", "input.json"])
+    assert calls == [["check", "input.json"]]
+    expected = "has no main_parser()" if shape == "no main_parser" else "has no subparsers action 'command'"
+    assert any(expected in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_add_dp_check_is_idempotent_and_leaves_other_module_classes_alone(caplog):
+    module, _ = _other_deepmd_main()
+    add_dp_check(module)
+    cls, main_attr = type(module), module.main
+    add_dp_check(module)
+    assert type(module) is cls and module.main is main_attr
+
+    class Custom(types.ModuleType):
+        pass
+
+    custom = Custom("custom")
+    custom.main = print
+    with caplog.at_level(logging.DEBUG, logger="deepmd.hybridmuon"):
+        add_dp_check(custom)
+    assert type(custom) is Custom and custom.main is print
+    assert "dp check not added: custom is a Custom, not a plain module" in caplog.text
