@@ -3,8 +3,9 @@
 Every DPA-4 example of deepmd-kit trains with HybridMuon. Here a shrunk copy of the upstream
 water example (``examples/water/dpa4/input.json``; ``../shared/configs/dpa4_water.json``)
 trains and restarts with ``dp --pt train`` and ``dp --pt-expt train``, keeping its loss
-(``loss_func: mae``), its wsd learning rate, EMA and ``zero_stage: 1``; and our routing of
-its parameters is compared with the routing deepmd-kit's built-in optimizer applies.
+(``loss_func: mae``), its wsd learning rate, EMA and ``zero_stage: 1`` (which deepmd ignores in
+a single process; ZeRO-1 itself is tested in test_distributed.py); and our routing of its
+parameters is compared with the routing deepmd-kit's built-in optimizer applies.
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ def test_trains_and_restarts_with_our_optimizer(backend, data, tmp_path):
     assert any("momentum_buffer" in s and "magma_score" in s for s in states)
     beta1 = first["optimizer"]["param_groups"][0]["adam_betas"][0]
     before = _adam_counters(first["optimizer"])
-    # one optimizer step per training step, none skipped (a non-finite gradient would skip one)
+    # one optimizer step per training step, none skipped (a non-finite gradient would skip
+    # one); the counters are products of Python floats, a few ulps from beta1**n
     assert before and before == pytest.approx([beta1**FIRST_STEPS] * len(before), rel=1e-12)
     lcurve = read_lcurve(tmp_path / "lcurve.out")
     # the example's wsd schedule: the start rate (no warm-up in 4 steps), then its decay phase
@@ -210,9 +212,10 @@ LR, WD = 0.1, 0.1
 
 
 @pytest.fixture(scope="module")
-def input_file(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def input_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The input, for the check (which builds the model from it and reads no data)."""
     path = tmp_path_factory.mktemp("dpa4_check") / "input.json"
-    path.write_text(json.dumps(dpa4_input(data, 2)))
+    path.write_text(json.dumps(dpa4_input(path.parent / "data", 2)))
     return path
 
 
