@@ -7,7 +7,10 @@
 #     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl \
 #     deepmd-kit==3.2.0 array-api-compat bracex colorama dargs==0.5.1 Deprecated einops flexcache flexparser h5py \
 #     lmdb mendeleev ml_dtypes mpich msgpack Pint pyfiglet SQLAlchemy wcmatch wrapt typeguard pydantic \
-#     pydantic_core annotated-types typing-inspection platformdirs typing_extensions pytest pluggy iniconfig
+#     pydantic_core annotated-types typing-inspection platformdirs typing_extensions pytest pluggy iniconfig \
+#     vesin==0.6.2 vesin-torch==0.6.2
+#   (vesin + vesin-torch: DPA-4's neighbour lists, `import vesin.torch`; the image has no nvalchemiops, which deepmd
+#   would prefer on CUDA, so DPA-4 runs with vesin there too. 3.4 MB.)
 #   mkdir -p .gpu && cp -r ../shared/configs ../shared/data .gpu/
 #   rm -f .whl/deepmd_hybridmuon-*.whl && pip wheel --no-deps -w .whl .     # after every code change
 # Then run with carry [".whl", ".gpu"] and a command starting `source benchmarks/device_setup.sh && ...`.
@@ -16,5 +19,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 # a warm machine keeps the previous install of the same version: replace ours explicitly
 python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall .whl/deepmd_hybridmuon-*.whl
 mkdir -p ../shared && cp -r .gpu/configs .gpu/data ../shared/ 2>/dev/null || true
-python3 -c "import torch, deepmd, deepmd_hybridmuon; print('torch', torch.__version__, 'gpu', torch.cuda.get_device_name())"
+python3 -c "import torch, deepmd, deepmd_hybridmuon, vesin.torch; print('torch', torch.__version__, 'gpu', torch.cuda.get_device_name())"
 set +e

@@ -21,6 +21,7 @@ every compiling variant pays a cold compilation, as in a first training run. Pas
 Usage::
 
     python benchmarks/step_time.py                                   # all configs, all variants
+    python benchmarks/step_time.py dpa4_water --variants ours,builtin,adamw   # configs by name
     python benchmarks/step_time.py --configs se_e2_a_water --steps 3 --warmup 1
     python benchmarks/step_time.py --variants ours,builtin,adamw --json out.json
     python benchmarks/step_time.py --variants ours --ours-kw batched=False
@@ -53,7 +54,7 @@ warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "configs"
-DEFAULT_CONFIGS = ("se_e2_a_water", "dpa2_small_water", "dpa3_water")
+DEFAULT_CONFIGS = ("se_e2_a_water", "dpa2_small_water", "dpa3_water", "dpa4_water")
 
 #: Option sets shared by ours and the built-in: suffix -> constructor keywords.
 OPTION_SETS: dict[str, dict[str, Any]] = {
@@ -359,6 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma list of config names (no .json)")
+    ap.add_argument("config_names", nargs="*", metavar="CONFIG", help="config names; given, they replace --configs")
     ap.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list of: " + ",".join(ALL_VARIANTS))
     ap.add_argument("--steps", type=int, default=60, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps after the first step")
@@ -386,7 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [v for v in args.variant_list if v not in ALL_VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {','.join(ALL_VARIANTS)}")
-    args.config_list = [c.strip().removesuffix(".json") for c in args.configs.split(",") if c.strip()]
+    names = ",".join(args.config_names) if args.config_names else args.configs
+    args.config_list = [c.strip().removesuffix(".json") for c in names.split(",") if c.strip()]
     return args
 
 

@@ -22,6 +22,7 @@ Usage::
     python benchmarks/train_speed.py ../shared/configs/dpa3_water.json --variants ours,builtin
     python benchmarks/train_speed.py dpa2_small_water --steps 500 --disp-freq 100 --opt-kw enable_gram=False
     python benchmarks/train_speed.py se_e2_a_water --steps 6 --disp-freq 2 --json out.json   # smoke test
+    python benchmarks/train_speed.py dpa4_water    # DPA-4: needs vesin + vesin-torch (this package depends on them)
 """
 
 from __future__ import annotations

@@ -14,10 +14,19 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+#: What our plugin logs (once per run) when deepmd's trainer builds our optimizer.
+OURS_LOG_LINE = "optimizer: deepmd-hybridmuon"
 
 MODEL_NAMES: tuple[str, ...] = ("se_e2_a", "dpa2", "dpa3")
 TYPE_MAP: list[str] = ["O", "H"]
@@ -227,3 +236,37 @@ def named_params() -> Callable[[str], list[tuple[str, torch.nn.Parameter]]]:
 def model_name(request: pytest.FixtureRequest) -> str:
     """Each of the three descriptor families in turn."""
     return request.param
+
+
+# ------------------------------------------------------------------ real `dp` runs
+
+
+def make_example_data(root: Path, ntrain: int, nvalid: int) -> Path:
+    """The bundled example's data (``examples/make_data.py``, species A/B) with fewer frames.
+
+    Returns ``root / "data"``, holding ``train`` and ``valid`` deepmd/npy systems.
+    """
+    out = root / "data"
+    cmd = [sys.executable, str(EXAMPLES / "make_data.py"), "--out", str(out)]
+    subprocess.run([*cmd, "--ntrain", str(ntrain), "--nvalid", str(nvalid)], check=True, capture_output=True)
+    return out
+
+
+def run_dp(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    """Run ``python -m deepmd *args`` in ``cwd``; assert it succeeds and return its log."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepmd", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})},
+        timeout=900,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
+def read_lcurve(path: Path) -> np.ndarray:
+    """The rows of a ``lcurve.out`` (one row per displayed step; column 0 is the step)."""
+    return np.atleast_2d(np.loadtxt(path))

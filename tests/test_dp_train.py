@@ -6,61 +6,26 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from conftest import EXAMPLES, make_example_data
+from conftest import OURS_LOG_LINE as LOG_LINE
+from conftest import read_lcurve as _lcurve
+from conftest import run_dp as _dp
 
 from deepmd_hybridmuon.optimizer import GROUP_KEYS
 
 pytestmark = pytest.mark.slow
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-DP = [sys.executable, "-m", "deepmd"]
-LOG_LINE = "optimizer: deepmd-hybridmuon"
-
-
-def _dp(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
-    proc = subprocess.run(
-        [*DP, *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})},
-        timeout=900,
-    )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    return log
-
-
-def _lcurve(path: Path) -> np.ndarray:
-    return np.atleast_2d(np.loadtxt(path))
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example's data (fewer frames) and its input.json with a short schedule."""
     root = tmp_path_factory.mktemp("dp_train")
-    subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLES / "make_data.py"),
-            "--out",
-            str(root / "data"),
-            "--ntrain",
-            "60",
-            "--nvalid",
-            "12",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    make_example_data(root, ntrain=60, nvalid=12)
     return root
 
 
