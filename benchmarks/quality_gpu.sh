@@ -3,7 +3,7 @@
 # Usage: benchmarks/quality_gpu.sh OUTDIR CONFIG STEPS "OPT:LR:SEEDS" ...
 #   e.g. benchmarks/quality_gpu.sh /tmp/q se_e2_a_water 1500 ours:1e-2:1,2 builtin:1e-2:1,2 adam:1e-3:1,2
 # OPT is one of train_quality.py's optimizers (ours, builtin, adam; adam keeps a config's own AdamW).
-# TQ_TIMEOUT: seconds per dp process (the lcurve so far is kept on timeout); TQ_ARGS: more train_quality.py run options.
+# TQ_TIMEOUT: seconds per dp process (the lcurve so far is kept on timeout); TQ_ARGS: more train_quality.py run options; TQ_TEST=1: dp test the final checkpoints.
 set -u
 out=$1 config=$2 steps=$3
 shift 3
@@ -13,7 +13,7 @@ for job in "$@"; do
   for seed in ${seeds//,/ }; do
     tag="${opt}_lr${lr}_s${seed}"
     python3 benchmarks/train_quality.py run --configs "$config" --steps "$steps" --optimizers "$opt" \
-      --lr "$opt=$lr" --seeds "$seed" --tag "lr$lr" --no-test ${TQ_ARGS:-} --timeout "${TQ_TIMEOUT:-3600}" --workdir "$out/$tag" --json "$out/$tag.json" \
+      --lr "$opt=$lr" --seeds "$seed" --tag "lr$lr" $([ "${TQ_TEST:-0}" = 1 ] || echo --no-test) ${TQ_ARGS:-} --timeout "${TQ_TIMEOUT:-3600}" --workdir "$out/$tag" --json "$out/$tag.json" \
       >"$out/$tag.log" 2>&1 &
   done
 done

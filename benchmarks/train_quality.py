@@ -107,8 +107,9 @@ def optimizer_section(name: str, config: dict[str, Any], hm_kw: dict[str, Any]) 
         own = config.get("optimizer") or {}
         if own.get("type") == "AdamW":
             return dict(own)
-        descriptor = (config.get("model") or {}).get("descriptor") or {}
-        return {"type": "AdamW"} if str(descriptor.get("type", "")).startswith("dpa") else {"type": "Adam"}
+        model = config.get("model") or {}
+        kind = str((model.get("descriptor") or {}).get("type") or model.get("type", ""))  # DPA-4: the model's type
+        return {"type": "AdamW"} if kind.startswith("dpa") else {"type": "Adam"}
     raise ValueError(f"unknown optimizer {name!r}")
 
 

@@ -309,7 +309,6 @@ def test_muon_matrix_views_equal_the_builtin_views(dpa4_named, builtin_routes):
     assert math.isfinite(worst) and worst < 0.02, worst
 
 
-@pytest.mark.xfail(reason="needs --table from the dp-check branch", strict=False)
 def test_check_table_shows_the_builtin_routes(input_file, builtin_routes, capsys):
     assert main(["check", "--table", str(input_file)]) == 0
     out = capsys.readouterr().out
