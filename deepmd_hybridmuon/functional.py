@@ -12,6 +12,7 @@ optimizers produce the same trajectories up to low-precision rounding.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -284,12 +285,12 @@ class GramSchedule:
         """Number of iterations."""
         return len(self.coeffs)
 
-    @property
+    @functools.cached_property
     def fresh_q(self) -> tuple[bool, ...]:
         """Per iteration: whether Q starts afresh (Q = a I + Z): the first iteration and every restart."""
         return tuple(k == 0 or r for k, r in enumerate(self.restarts))
 
-    @property
+    @functools.cached_property
     def updates_r(self) -> tuple[bool, ...]:
         """Per iteration: whether R <- (a I + Z) R (a I + Z) follows it.
 
@@ -299,7 +300,7 @@ class GramSchedule:
         n = self.steps
         return tuple(k + 1 < n and not self.restarts[k + 1] for k in range(n))
 
-    @property
+    @functools.cached_property
     def segments(self) -> tuple[tuple[int, int], ...]:
         """``(start, stop)`` of each run of iterations between restarts, in order."""
         starts = [k for k, fresh in enumerate(self.fresh_q) if fresh]
@@ -307,12 +308,20 @@ class GramSchedule:
 
 
 def gram_schedule() -> GramSchedule:
-    """The Gram schedule of HybridMuon: :data:`POLAR_EXPRESS_COEFFS`, restarting at :data:`GRAM_RESTART_ITERATIONS`."""
-    steps = len(POLAR_EXPRESS_COEFFS)
-    outside = sorted(k for k in GRAM_RESTART_ITERATIONS if not 0 < k < steps)
+    """The Gram schedule of HybridMuon: :data:`POLAR_EXPRESS_COEFFS`, restarting at :data:`GRAM_RESTART_ITERATIONS`.
+
+    Read from the two constants at each call (built once per pair of values).
+    """
+    return _gram_schedule(tuple(POLAR_EXPRESS_COEFFS), frozenset(GRAM_RESTART_ITERATIONS))
+
+
+@functools.cache
+def _gram_schedule(coeffs: tuple[tuple[float, float, float], ...], restarts: frozenset[int]) -> GramSchedule:
+    steps = len(coeffs)
+    outside = sorted(k for k in restarts if not 0 < k < steps)
     if outside:
         raise ValueError(f"GRAM_RESTART_ITERATIONS holds {outside}; restarts lie in 1..{steps - 1}")
-    return GramSchedule(tuple(POLAR_EXPRESS_COEFFS), tuple(k in GRAM_RESTART_ITERATIONS for k in range(steps)))
+    return GramSchedule(coeffs, tuple(k in restarts for k in range(steps)))
 
 
 def newton_schulz(G: torch.Tensor, schedule: tuple[tuple[float, float, float], ...] | None = None) -> torch.Tensor:

@@ -300,9 +300,7 @@ def phased_schedule(use_gram: bool) -> tuple[tuple[int, ...], ...]:
     (its length, restarts and the flags derived from them), once per schedule. A tuple of
     tuples, as the kernel takes it (a compile-time constant).
     """
-    if use_gram:
-        return _gram_phases(F.gram_schedule())
-    return _standard_phases(len(F.standard_schedule()))
+    return _gram_phases(F.gram_schedule()) if use_gram else _standard_phases(len(F.standard_schedule()))
 
 
 def _phase(kind: PhaseKind, **columns: int) -> tuple[int, ...]:
@@ -363,8 +361,15 @@ def _gram_phases(schedule: F.GramSchedule) -> tuple[tuple[int, ...], ...]:
 
 def phased_square_slots(use_gram: bool) -> int:
     """m x m workspace slots per matrix (after the two m x n slots) that :func:`phased_schedule` uses."""
+    if use_gram:
+        return _square_slots(_gram_phases, F.gram_schedule())
+    return _square_slots(_standard_phases, len(F.standard_schedule()))
+
+
+@functools.cache
+def _square_slots(phases: Any, key: Any) -> int:  # (cached on the schedule, as the phases are)
     slots = (PhaseColumn.OUT, PhaseColumn.LEFT, PhaseColumn.RIGHT, PhaseColumn.ADDEND, PhaseColumn.Q)
-    return max(row[c] for row in phased_schedule(use_gram) for c in slots) - 1
+    return max(row[c] for row in phases(key) for c in slots) - 1
 
 
 def padded(size: int) -> int:
