@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any
 
 from . import common, compile  # the modules of the settings below; every module is an attribute
 from .common import (
@@ -143,26 +142,17 @@ _SETTINGS: dict[str, types.ModuleType] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    owner = _SETTINGS.get(name)
-    if owner is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(owner, name)
+def _setting(owner: types.ModuleType, name: str) -> property:
+    """``name`` of this package read from and assigned to ``owner`` (a data descriptor of the module type)."""
+    return property(lambda _: getattr(owner, name), lambda _, value: setattr(owner, name, value))
 
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_SETTINGS})
 
 
-class _Package(types.ModuleType):
-    """The module type of this package: assignments to a setting go to the module that reads it."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        owner = _SETTINGS.get(name)
-        if owner is not None:
-            setattr(owner, name, value)
-        else:
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# The settings as properties of this module's type: they take precedence over the module's
+# own namespace, for reads and assignments alike (monkeypatch restores them as any attribute).
+sys.modules[__name__].__class__ = types.new_class(
+    "_Package", (types.ModuleType,), {}, lambda ns: ns.update({k: _setting(m, k) for k, m in _SETTINGS.items()})
+)
