@@ -32,14 +32,14 @@ def compile_variant(
     use_gram: bool, shape: tuple[int, int], dtype: str, first: int, stop: int
 ) -> triton.compiler.CompiledKernel:
     """The engine's launch of phases ``first:stop`` for one padded shape, compiled for sm_90."""
-    fn = K._phased_kernel
+    fn = K.phased._phased_kernel
     names = fn.arg_names
     work = "*fp16" if use_gram else "*bf16"
     signature = {
         "src_ptr": f"*{dtype}", "dst_ptr": f"*{dtype}", "work_ptr": work, "meta_ptr": "*i64", "count": "i32",
         "partial_ptr": "*fp32", "coef_ptr": "*fp32", "scale_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32",
     }  # fmt: skip
-    options = K._phased_options(use_gram, shape, stop - first > 1)
+    options = K.phased._phased_options(use_gram, shape, stop - first > 1)
     constants = {k: v for k, v in options.items() if k not in ("num_warps", "launch_cooperative_grid")}
     constants.update({"FIRST": first, "STOP": stop})
     signature.update(dict.fromkeys(constants, "constexpr"))

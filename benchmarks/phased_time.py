@@ -2,7 +2,7 @@
 """Time the phased Newton–Schulz kernel alone, with and without its grid barriers (CUDA).
 
 Builds the two phased groups of se_e2_a water (4 x 240 x 240, standard iteration; 2 x 240 x 1600,
-Gram iteration; float64 parameters, as in DeePMD), launches ``kernels._phased_kernel`` the way
+Gram iteration; float64 parameters, as in DeePMD), launches ``kernels.phased._phased_kernel`` the way
 the engine does (all phases but the last in one launch, then the last) inside a CUDA graph, and
 prints the median time per launch:
 
@@ -58,14 +58,14 @@ def build(device: torch.device, use_gram: bool, count: int, m: int, n: int) -> d
 
 def time_launch(group: dict, use_gram: bool, first: int, stop: int, sync: bool, cooperative: bool = True) -> float:
     """Median microseconds of one launch of phases ``first:stop``, replayed in a CUDA graph."""
-    options = K._phased_options(use_gram, group["shape"], sync)
+    options = K.phased._phased_options(use_gram, group["shape"], sync)
     if not cooperative:
         options.pop("launch_cooperative_grid", None)
 
     def launch() -> None:
         if sync:
             group["counter"].zero_()
-        K._phased_kernel[(group["programs"],)](*group["args"], FIRST=first, STOP=stop, **options)
+        K.phased._phased_kernel[(group["programs"],)](*group["args"], FIRST=first, STOP=stop, **options)
 
     return time_graph(launch)
 

@@ -653,10 +653,7 @@ class GroupEngine:
                 padded.index_copy_(1, b.dst, products.index_select(1, b.src))
                 sums.index_copy_(1, b.block_ids, padded.view(3, b.batch, -1).sum(-1))
             dot, mm, gg = sums
-            denom = (mm.sqrt() * gg.sqrt()).clamp(min=F.MAGMA_EPS)
-            cos = (dot / denom).clamp(-1.0, 1.0)
-            raw = torch.sigmoid(cos / F.MAGMA_TAU)
-            raw = ((raw - F.MAGMA_SIGMOID_LOW) / (F.MAGMA_SIGMOID_HIGH - F.MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
+            raw = F.magma_score(dot, mm.sqrt(), gg.sqrt())
             torch.mul(self.block_scale * F.magma_scale_(self.scores, raw, ok), neg_lr.float(), out=factor)
         else:
             torch.mul(self.block_scale, neg_lr.float(), out=factor)

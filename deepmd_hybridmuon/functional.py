@@ -12,6 +12,7 @@ optimizers produce the same trajectories up to low-precision rounding.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -32,14 +33,17 @@ __all__ = [
     "NS_POLISH_COEFFS",
     "NS_POLISH_STEPS",
     "POLAR_EXPRESS_COEFFS",
+    "GramSchedule",
     "ParamRoute",
     "adam_update_",
     "effective_shape",
     "finite_gate",
     "gate_factor",
     "gram_newton_schulz",
+    "gram_schedule",
     "leaf_name",
     "magma_raw_score",
+    "magma_score",
     "matrix_view",
     "muon_scale",
     "name_route",
@@ -48,6 +52,7 @@ __all__ = [
     "orthogonalize",
     "route_parameter",
     "sanitize",
+    "standard_schedule",
 ]
 
 Route = Literal["muon", "adam", "adamw"]
@@ -233,12 +238,97 @@ def route_parameter(name: str | None, shape: tuple[int, ...] | torch.Size, muon_
 # ---------------------------------------------------------------------------
 
 
-def newton_schulz(G: torch.Tensor) -> torch.Tensor:
+def standard_schedule() -> tuple[tuple[float, float, float], ...]:
+    """The (a, b, c) of every iteration of the standard Newton–Schulz iteration, in order.
+
+    :data:`NS_FAST_STEPS` rows of :data:`NS_FAST_COEFFS`, then :data:`NS_POLISH_STEPS` rows
+    of :data:`NS_POLISH_COEFFS`. Every implementation (:func:`newton_schulz`, the Triton
+    kernels) iterates over this table.
+    """
+    return (NS_FAST_COEFFS,) * NS_FAST_STEPS + (NS_POLISH_COEFFS,) * NS_POLISH_STEPS
+
+
+@dataclass(frozen=True)
+class GramSchedule:
+    """The Gram Newton–Schulz iteration as data: its coefficients and where it restarts.
+
+    Attributes
+    ----------
+    coeffs
+        ``(a, b, c)`` of every iteration, in order.
+    restarts
+        Per iteration: whether X and its Gram matrix R are re-formed from the accumulated
+        transform before it (X <- Q X, R <- X X^T), the transform then starting afresh.
+        The first iteration never restarts (there is nothing to re-form yet).
+
+    The flags every implementation needs are derived here, never written again:
+    :attr:`fresh_q` (where the transform starts afresh), :attr:`updates_r` (after which
+    iterations R is carried forward) and :attr:`segments` (the runs of iterations between
+    restarts).
+    """
+
+    coeffs: tuple[tuple[float, float, float], ...]
+    restarts: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if not self.coeffs:
+            raise ValueError("a Gram schedule needs at least one iteration; got an empty coefficient table")
+        if len(self.restarts) != len(self.coeffs):
+            raise ValueError(
+                f"restarts has {len(self.restarts)} flags for {len(self.coeffs)} iterations; expected one per iteration"
+            )
+        if self.restarts[0]:
+            raise ValueError("restarts[0] is True; the first iteration cannot restart (nothing to re-form yet)")
+
+    @property
+    def steps(self) -> int:
+        """Number of iterations."""
+        return len(self.coeffs)
+
+    @functools.cached_property
+    def fresh_q(self) -> tuple[bool, ...]:
+        """Per iteration: whether Q starts afresh (Q = a I + Z): the first iteration and every restart."""
+        return tuple(k == 0 or r for k, r in enumerate(self.restarts))
+
+    @functools.cached_property
+    def updates_r(self) -> tuple[bool, ...]:
+        """Per iteration: whether R <- (a I + Z) R (a I + Z) follows it.
+
+        Not before a restart (R is re-formed from X there) and not after the last
+        iteration (R is not used any more).
+        """
+        n = self.steps
+        return tuple(k + 1 < n and not self.restarts[k + 1] for k in range(n))
+
+    @functools.cached_property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """``(start, stop)`` of each run of iterations between restarts, in order."""
+        starts = [k for k, fresh in enumerate(self.fresh_q) if fresh]
+        return tuple(zip(starts, [*starts[1:], self.steps], strict=True))
+
+
+def gram_schedule() -> GramSchedule:
+    """The Gram schedule of HybridMuon: :data:`POLAR_EXPRESS_COEFFS`, restarting at :data:`GRAM_RESTART_ITERATIONS`.
+
+    Read from the two constants at each call (built once per pair of values).
+    """
+    return _gram_schedule(tuple(POLAR_EXPRESS_COEFFS), frozenset(GRAM_RESTART_ITERATIONS))
+
+
+@functools.cache
+def _gram_schedule(coeffs: tuple[tuple[float, float, float], ...], restarts: frozenset[int]) -> GramSchedule:
+    steps = len(coeffs)
+    outside = sorted(k for k in restarts if not 0 < k < steps)
+    if outside:
+        raise ValueError(f"GRAM_RESTART_ITERATIONS holds {outside}; restarts lie in 1..{steps - 1}")
+    return GramSchedule(coeffs, tuple(k in restarts for k in range(steps)))
+
+
+def newton_schulz(G: torch.Tensor, schedule: tuple[tuple[float, float, float], ...] | None = None) -> torch.Tensor:
     """Approximate polar factor of each matrix of ``G`` (shape ``(batch, m, n)``), in bfloat16.
 
-    X0 = G / ||G||_F (per matrix, wide orientation), then
-    X <- a X + (b A + c A^2) X with A = X X^T: :data:`NS_FAST_STEPS` iterations with
-    :data:`NS_FAST_COEFFS` and :data:`NS_POLISH_STEPS` with :data:`NS_POLISH_COEFFS`.
+    X0 = G / ||G||_F (per matrix, wide orientation), then X <- a X + (b A + c A^2) X with
+    A = X X^T for every row (a, b, c) of ``schedule`` (default :func:`standard_schedule`).
     Zero rows or columns stay zero, so zero padding commutes with this function.
     """
     X = G.to(torch.bfloat16)
@@ -246,24 +336,24 @@ def newton_schulz(G: torch.Tensor) -> torch.Tensor:
     if tall:
         X = X.mT
     X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
-    schedule = [NS_FAST_COEFFS] * NS_FAST_STEPS + [NS_POLISH_COEFFS] * NS_POLISH_STEPS
-    for a, b, c in schedule:
+    for a, b, c in standard_schedule() if schedule is None else schedule:
         A = torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
     return X.mT if tall else X
 
 
-def gram_newton_schulz(G: torch.Tensor) -> torch.Tensor:
+def gram_newton_schulz(G: torch.Tensor, schedule: GramSchedule | None = None) -> torch.Tensor:
     """Polar factor of each matrix of ``G`` (``(batch, m, n)``) by Gram Newton–Schulz.
 
     The iteration X <- p_k(X X^T) X with p_k(R) = a_k I + b_k R + c_k R^2 is carried out on
     the small Gram matrix R = X X^T (wide orientation, m <= n): with Z = b R + c R^2,
     the transform Q accumulates Q <- Q (Z + a I) and R <- (Z + a I) R (Z + a I), so X itself is
-    touched only when the iteration restarts (:data:`GRAM_RESTART_ITERATIONS`) and at the
-    end, X_out = Q X. Normalisation in float32, iteration in float16 with
-    :data:`POLAR_EXPRESS_COEFFS`. Returns the dtype of ``G``.
+    touched only when the iteration restarts and at the end, X_out = Q X. ``schedule``
+    (default :func:`gram_schedule`) gives the coefficients and the restarts. Normalisation
+    in float32, iteration in float16. Returns the dtype of ``G``.
     """
+    sched = gram_schedule() if schedule is None else schedule
     out_dtype = G.dtype
     X = G.to(torch.float32)
     tall = X.size(-2) > X.size(-1)
@@ -273,19 +363,18 @@ def gram_newton_schulz(G: torch.Tensor) -> torch.Tensor:
 
     R = torch.bmm(X, X.mT)
     eye = torch.eye(R.size(-1), dtype=R.dtype, device=R.device).expand_as(R)
-    Q: torch.Tensor | None = None
-    last = len(POLAR_EXPRESS_COEFFS) - 1
-    for k, (a, b, c) in enumerate(POLAR_EXPRESS_COEFFS):
-        restart = k in GRAM_RESTART_ITERATIONS
-        if restart and Q is not None:
+    Q = eye
+    for (a, b, c), restart, fresh, update in zip(
+        sched.coeffs, sched.restarts, sched.fresh_q, sched.updates_r, strict=True
+    ):
+        if restart:
             X = torch.bmm(Q, X)
             R = torch.bmm(X, X.mT)
         Z = torch.baddbmm(R, R, R, beta=b, alpha=c)
-        Q = Z + a * eye if (Q is None or restart) else torch.baddbmm(Q, Q, Z, beta=a, alpha=1.0)
-        if k < last and (k + 1) not in GRAM_RESTART_ITERATIONS:
+        Q = Z + a * eye if fresh else torch.baddbmm(Q, Q, Z, beta=a, alpha=1.0)
+        if update:
             RP = torch.baddbmm(R, R, Z, beta=a, alpha=1.0)  # R (a I + Z)
             R = torch.baddbmm(RP, Z, RP, beta=a, alpha=1.0)  # (a I + Z) R (a I + Z)
-    assert Q is not None  # the coefficient table is not empty
     X = torch.bmm(Q, X)
     X = X.mT if tall else X
     return X.to(out_dtype)
@@ -326,20 +415,28 @@ def nesterov_momentum_(
     return torch.lerp(grad, buf, momentum)
 
 
-def magma_raw_score(momentum: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Stretched-sigmoid alignment of momentum and gradient per block, in [0, 1].
+def magma_score(dot: torch.Tensor, norm_m: torch.Tensor, norm_g: torch.Tensor) -> torch.Tensor:
+    """Magma-lite's raw alignment score in [0, 1] from per-block sums (float32 tensors).
 
-    ``momentum`` and ``grad`` have shape ``(blocks, k)``; the cosine of each row pair is
-    mapped through sigmoid(cos / tau) and stretched from [sigmoid(-1/tau), sigmoid(1/tau)]
-    to [0, 1]. Computed in float32.
+    ``dot`` = sum(m * g), ``norm_m`` = |m| and ``norm_g`` = |g| per block: cos(m, g) (the
+    product of the norms floored at :data:`MAGMA_EPS`, clamped to [-1, 1]) is mapped through
+    sigmoid(cos / :data:`MAGMA_TAU`) and stretched from [:data:`MAGMA_SIGMOID_LOW`,
+    :data:`MAGMA_SIGMOID_HIGH`] to [0, 1]. Every implementation (:func:`magma_raw_score`, the
+    flat engine, the Triton Magma kernel through these constants) follows this function.
+    """
+    cos = (dot / (norm_m * norm_g).clamp(min=MAGMA_EPS)).clamp(-1.0, 1.0)
+    s = torch.sigmoid(cos / MAGMA_TAU)
+    return ((s - MAGMA_SIGMOID_LOW) / (MAGMA_SIGMOID_HIGH - MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
+
+
+def magma_raw_score(momentum: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Stretched-sigmoid alignment of momentum and gradient per block, in [0, 1] (:func:`magma_score`).
+
+    ``momentum`` and ``grad`` have shape ``(blocks, k)``, one block per row. Computed in float32.
     """
     m = momentum.to(torch.float32)
     g = grad.to(torch.float32)
-    dot = (m * g).sum(dim=-1)
-    denom = (m.norm(dim=-1) * g.norm(dim=-1)).clamp(min=MAGMA_EPS)
-    cos = (dot / denom).clamp(-1.0, 1.0)
-    s = torch.sigmoid(cos / MAGMA_TAU)
-    return ((s - MAGMA_SIGMOID_LOW) / (MAGMA_SIGMOID_HIGH - MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
+    return magma_score((m * g).sum(dim=-1), m.norm(dim=-1), g.norm(dim=-1))
 
 
 def magma_scale_(score: torch.Tensor, raw: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:

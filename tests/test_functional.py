@@ -118,6 +118,18 @@ def test_ns_schedule_pins_singular_values() -> None:
     assert a + 3 * b + 5 * c == 0.0  # slope 0 there
 
 
+def test_newton_schulz_iterates_over_its_schedule() -> None:
+    """The standard iteration is its table: the default is the table, and another table gives another result."""
+    assert F.standard_schedule() == tuple(NS_SCHEDULE)
+    G = random_matrices((1, 16, 40), seed=3)
+    assert torch.equal(F.newton_schulz(G), F.newton_schulz(G, F.standard_schedule()))
+    # Three fast steps, no polish: the singular values are not pinned to 1 yet (the
+    # composed polynomial leaves them in roughly [0.7, 1.2]), far beyond bf16 rounding.
+    short = F.newton_schulz(G, (F.NS_FAST_COEFFS,) * 3)
+    assert rel_fro(short, F.newton_schulz(G)) > 10 * NS_TOL
+    assert rel_fro(short, spectral_prediction(G, [F.NS_FAST_COEFFS] * 3)) <= POLAR_TOL
+
+
 # ----------------------------------------------------------------------------- Gram path
 
 
@@ -156,6 +168,44 @@ def test_gram_and_standard_paths_agree(shape: tuple[int, int, int]) -> None:
     assert rel_fro(Y, X) <= tol
     # ... and they are not the same computation: the Gram output is visibly off 1.
     assert rel_fro(Y, X) > 4 * NS_TOL
+
+
+def test_gram_schedule_flags_follow_the_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q starts afresh at 0 and at each restart; R is not updated before a restart nor after the last step."""
+    sched = F.gram_schedule()
+    assert sched.coeffs == F.POLAR_EXPRESS_COEFFS
+    assert sched.restarts == (False, False, True, False, False)
+    assert sched.fresh_q == (True, False, True, False, False)
+    assert sched.updates_r == (True, False, True, True, False)
+    assert sched.segments == ((0, 2), (2, 5))
+    monkeypatch.setattr(F, "GRAM_RESTART_ITERATIONS", frozenset({1, 3}))
+    monkeypatch.setattr(F, "POLAR_EXPRESS_COEFFS", F.POLAR_EXPRESS_COEFFS[:4])
+    sched = F.gram_schedule()
+    assert sched.restarts == (False, True, False, True)
+    assert sched.fresh_q == (True, True, False, True)
+    assert sched.updates_r == (False, True, False, False)
+    assert sched.segments == ((0, 1), (1, 3), (3, 4))
+    monkeypatch.setattr(F, "GRAM_RESTART_ITERATIONS", frozenset({4}))
+    with pytest.raises(ValueError, match=r"GRAM_RESTART_ITERATIONS holds \[4\]; restarts lie in 1..3"):
+        F.gram_schedule()
+    with pytest.raises(ValueError, match="the first iteration cannot restart"):
+        F.GramSchedule(F.POLAR_EXPRESS_COEFFS[:2], (True, False))
+    with pytest.raises(ValueError, match="restarts has 1 flags for 2 iterations"):
+        F.GramSchedule(F.POLAR_EXPRESS_COEFFS[:2], (False,))
+
+
+@pytest.mark.parametrize("restarts", [(), (1, 3), (1, 2, 3)], ids=["none", "1-3", "1-2-3"])
+def test_gram_newton_schulz_iterates_over_its_schedule(restarts: tuple[int, ...]) -> None:
+    """Any coefficient table with any restarts computes its own composed polynomial."""
+    G = random_matrices((2, 16, 48), seed=4)
+    coeffs = F.POLAR_EXPRESS_COEFFS[:4]
+    sched = F.GramSchedule(coeffs, tuple(k in restarts for k in range(len(coeffs))))
+    Y = F.gram_newton_schulz(G, sched)
+    # Same bound and reason as test_gram_newton_schulz_matches_its_polynomial (one step fewer).
+    assert rel_fro(Y, spectral_prediction(G, list(coeffs))) <= GRAM_TOL
+    # Without the fifth Polar Express step the singular values stay far from the band of
+    # the full schedule: a table of four rows is not the default one.
+    assert rel_fro(Y, F.gram_newton_schulz(G)) > 10 * GRAM_TOL
 
 
 def test_orthogonalize_dispatch() -> None:
@@ -292,6 +342,20 @@ def test_magma_raw_score_table() -> None:
         assert score.shape == (1,), what
         assert score.dtype == torch.float32, what
         assert float(score) == pytest.approx(expected, abs=1e-6), what
+
+
+def test_magma_score_from_partial_sums_is_the_raw_score() -> None:
+    """The engine and the kernel add the sums of a block's pieces; the score is that of the whole block."""
+    gen = torch.Generator().manual_seed(5)
+    m = torch.randn(3, 300, generator=gen)
+    g = 0.4 * m + torch.randn(3, 300, generator=gen)
+    pieces = [(m[:, i : i + 100], g[:, i : i + 100]) for i in range(0, 300, 100)]
+    dot = sum((mp * gp).sum(-1) for mp, gp in pieces)
+    mm = sum((mp * mp).sum(-1) for mp, _ in pieces)
+    gg = sum((gp * gp).sum(-1) for _, gp in pieces)
+    # float32 sums in another order than the norms: a few float32 roundings
+    torch.testing.assert_close(F.magma_score(dot, mm.sqrt(), gg.sqrt()), F.magma_raw_score(m, g), rtol=0, atol=1e-6)
+    assert float(F.magma_raw_score(m, g).min()) > 0.5  # aligned on purpose: not the neutral score
 
 
 def test_magma_raw_score_rows_and_range() -> None:

@@ -1,4 +1,4 @@
-"""The Triton kernels (``kernels.py``) against the reference functions and the per-tensor loop.
+"""The Triton kernels (the ``kernels`` package) against the reference functions and the per-tensor loop.
 
 With a GPU they run compiled on CUDA. Without one they run under Triton's CPU interpreter,
 which must be switched on (``TRITON_INTERPRET=1``) before Triton is first imported: the
@@ -183,6 +183,136 @@ def test_phased_kernel_matches_the_reference(kernels, use_gram, short):
         # Same bound and reason as the Newton-Schulz kernel test (each product rounded to
         # 8 or 11 bits, in another summation order than cuBLAS).
         assert err < 3e-2, (shapes[i], err)
+
+
+def _changed_schedules(monkeypatch):
+    """Schedules unlike HybridMuon's, changed in ``functional`` only.
+
+    Standard: three fast steps, no polish. Gram: the first four Polar Express rows,
+    restarting before the second and the fourth iteration (two restarts, three segments).
+    """
+    monkeypatch.setattr(F, "NS_FAST_STEPS", 3)
+    monkeypatch.setattr(F, "NS_POLISH_STEPS", 0)
+    monkeypatch.setattr(F, "POLAR_EXPRESS_COEFFS", F.POLAR_EXPRESS_COEFFS[:4])
+    monkeypatch.setattr(F, "GRAM_RESTART_ITERATIONS", frozenset({1, 3}))
+
+
+def test_kernel_schedules_are_the_functional_tables(monkeypatch):
+    """The kernels' schedule constants are derived from ``functional``'s tables, not written again."""
+    K = pytest.importorskip("deepmd_hybridmuon.kernels")
+    kind, out, it = K.PhaseColumn.KIND, K.PhaseColumn.OUT, K.PhaseColumn.ITERATION
+
+    def launches():
+        return [(r["START"], r["STOP"], a["FROM_SOURCE"], a["FINAL"]) for r, a in K.panel_launches()]
+
+    # HybridMuon's schedules: the constants the kernels once spelled out (five Gram
+    # iterations, a restart before the third, ten standard iterations)
+    assert K.gram_constants() == {"RESTARTS": (0, 0, 1, 0, 0), "FRESH_Q": (1, 0, 1, 0, 0), "UPDATES_R": (1, 0, 1, 1, 0)}
+    assert launches() == [(0, 2, True, False), (2, 5, False, True)]
+    assert (K.phase_count(False), K.phase_count(True)) == (2 + 3 * 10, 20)
+
+    _changed_schedules(monkeypatch)
+    assert K.gram_constants() == {"RESTARTS": (0, 1, 0, 1), "FRESH_Q": (1, 1, 0, 1), "UPDATES_R": (0, 1, 0, 0)}
+    assert launches() == [(0, 1, True, False), (1, 3, False, False), (3, 4, False, True)]
+    assert torch.equal(K.coefficient_table(False, "cpu"), torch.tensor([F.NS_FAST_COEFFS] * 3))
+    assert torch.equal(K.coefficient_table(True, "cpu"), torch.tensor(F.POLAR_EXPRESS_COEFFS))
+    standard, gram = K.phased_schedule(False), K.phased_schedule(True)
+    assert len(standard) == 2 + 3 * 3 and standard[-1][out] == K.DST
+    products = [row for row in gram if row[kind] == K.PhaseKind.PRODUCT]
+    assert {row[it] for row in products} == {0, 1, 2, 3} and gram[-1][out] == K.DST
+    assert [row[it] for row in products if row[out] in (0, 1)] == [1, 3]  # X <- Q X: once per restart
+    for row in products:  # no product writes a slot it reads
+        assert row[out] not in (row[2], row[3], row[5] if row[6] else None), row
+
+
+def test_kernels_follow_a_changed_schedule(kernels, monkeypatch):
+    """Every Newton–Schulz family runs ``functional``'s schedule: changed there, the kernels follow."""
+    K, device = kernels
+    gen = torch.Generator().manual_seed(11)
+    cases = {  # (path, use_gram): shapes
+        ("blocks", False): SHAPES[:2],
+        ("blocks", True): SHAPES[:2],
+        ("panels", True): [(17, 130), (40, 70)],
+        ("phased", False): PHASED_SHORT[False],
+        ("phased", True): PHASED_SHORT[True],
+    }
+    mats = {key: [torch.randn(s, generator=gen).to(device) for s in shapes] for key, shapes in cases.items()}
+    default = {key: [F.orthogonalize(g[None], key[1])[0].float() for g in ms] for key, ms in mats.items()}
+    _changed_schedules(monkeypatch)
+    for (path, use_gram), ms in mats.items():
+        outs = {"blocks": _run_blocks, "panels": _run_panels, "phased": _run_phased}[path](K, device, ms, use_gram)
+        for g, out, before in zip(ms, outs, default[path, use_gram], strict=True):
+            ref = F.orthogonalize(g[None], use_gram)[0].float()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            # the bound and reason of test_newton_schulz_kernel_matches_the_reference
+            assert err < 3e-2, (path, use_gram, g.shape, err)
+            # ... and the changed schedules are far from HybridMuon's (measured >= 0.2)
+            assert ((ref - before).norm() / before.norm()).item() > 0.1, (path, use_gram, g.shape)
+
+
+def _run_blocks(K, device, mats, use_gram):
+    """``kernels.orthogonalize_blocks`` on ``mats`` (factor 1); the outputs."""
+    shapes = [tuple(m.shape) for m in mats]
+    rows, cols = max(min(s) for s in shapes), max(max(s) for s in shapes)
+    meta, size = _layout(shapes)
+    src = torch.cat([m.reshape(-1) for m in mats])
+    dst = torch.full_like(src, float("nan"))
+    work = torch.zeros(size, dtype=K.work_dtype(use_gram), device=device)
+    table = torch.tensor(meta, dtype=torch.int64, device=device)
+    coefs, factor = K.coefficient_table(use_gram, device), torch.ones(len(mats), device=device)
+    K.orthogonalize_blocks(src, dst, work, table, coefs, factor, rows, cols, use_gram)
+    return [out.view_as(m) for m, out in zip(mats, dst.split([m.numel() for m in mats]), strict=True)]
+
+
+def _run_panels(K, device, mats, use_gram):
+    """``kernels.orthogonalize_panels`` (the Gram iteration) on ``mats`` (factor 1); the outputs."""
+    assert use_gram
+    shapes = [tuple(m.shape) for m in mats]
+    meta, size = _layout(shapes)
+    panels, first = K.panel_table(meta)
+    rows = max(min(s) for s in shapes)
+    bm = K.panel_block(rows)
+    src = torch.cat([m.reshape(-1) for m in mats])
+    dst = torch.full_like(src, float("nan"))
+    K.orthogonalize_panels(
+        src,
+        dst,
+        torch.zeros(size, dtype=torch.float16, device=device),
+        torch.tensor(meta, dtype=torch.int64, device=device),
+        torch.tensor(panels, dtype=torch.int64, device=device),
+        torch.tensor(first, dtype=torch.int64, device=device),
+        torch.zeros(len(panels), bm, bm, device=device),
+        torch.zeros(len(meta), bm, bm, dtype=torch.float16, device=device),
+        torch.zeros(len(meta), device=device),
+        K.coefficient_table(True, device),
+        torch.ones(len(mats), device=device),
+        rows,
+    )
+    return [out.view_as(m) for m, out in zip(mats, dst.split([m.numel() for m in mats]), strict=True)]
+
+
+def _run_phased(K, device, mats, use_gram):
+    """``kernels.orthogonalize_phased`` on ``mats`` (one padded shape, factor 1), in the engine's two launches."""
+    matrices, offset = [], 0
+    for block, m in enumerate(mats):
+        rows, cols = m.shape
+        small, large = min(rows, cols), max(rows, cols)
+        matrices.append((offset, small, large, *((1, small) if rows > cols else (large, 1)), block))
+        offset += rows * cols
+    shape = (K.padded(max(m for _, m, *_ in matrices)), K.padded(max(n for _, _, n, *_ in matrices)))
+    src = torch.cat([m.reshape(-1) for m in mats])
+    dst = torch.full_like(src, float("nan"))
+    work = torch.zeros(K.phased_workspace(matrices, use_gram), dtype=K.work_dtype(use_gram), device=device)
+    partial = torch.zeros(len(matrices) * K.phased_tiles(*shape), device=device)
+    table = torch.tensor(matrices, dtype=torch.int64, device=device)
+    coefs, factor = K.coefficient_table(use_gram, device), torch.ones(len(mats), device=device)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    n = K.phase_count(use_gram)
+    for first, stop in ((0, n - 1), (n - 1, n)):
+        K.orthogonalize_phased(
+            src, dst, work, table, shape, partial, coefs, factor, counter, 5, use_gram, first=first, stop=stop
+        )
+    return [out.view_as(m) for m, out in zip(mats, dst.split([m.numel() for m in mats]), strict=True)]
 
 
 def test_magma_kernel_matches_the_reference(kernels):

@@ -1,0 +1,171 @@
+"""What the kernel families share: sizes, workspace dtypes, the metadata table, Triton helpers.
+
+Also the one place where the Newton–Schulz specification of :mod:`deepmd_hybridmuon.functional`
+becomes kernel input: :func:`coefficient_table` (the (a, b, c) rows, a device tensor) and
+:func:`gram_constants` (the Gram schedule's per-iteration flags, compile-time constants).
+No kernel writes a schedule of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from enum import IntEnum
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import functional as F
+
+#: Largest smaller side handled by one program: the ``m x m`` float32 accumulators of a
+#: 128 x 128 matrix take 64 registers per thread at 8 warps; larger matrices need several
+#: programs per matrix and stay on the batched torch path.
+MAX_ROWS: int = 128
+#: Columns of ``X`` per chunk of the streamed products (a multiple of 16 for ``tl.dot``).
+CHUNK: int = 64
+#: Largest padded ``m x n`` kept whole in registers for the whole iteration (128 x 128:
+#: 32 registers per thread for the bf16 tile and 64 for its float32 products at 8 warps).
+#: Larger matrices stream ``X`` through the workspace in chunks of :data:`CHUNK` columns.
+RESIDENT_ELEMENTS: int = 128 * 128
+#: Workspace dtypes of the two iterations (those of the reference functions).
+STANDARD_WORK_DTYPE: torch.dtype = torch.bfloat16
+GRAM_WORK_DTYPE: torch.dtype = torch.float16
+
+
+class MetaColumn(IntEnum):
+    """Columns of the metadata table of the program-per-matrix and panel kernels, one row per matrix.
+
+    The matrix in its wide orientation (``M <= N``) is read at ``SRC + r * ROW_STRIDE + c *
+    COL_STRIDE`` of the flat vectors; ``WORK`` is its offset in the workspace and ``BLOCK``
+    its index in the per-block factors.
+    """
+
+    SRC = 0
+    WORK = 1
+    M = 2
+    N = 3
+    ROW_STRIDE = 4
+    COL_STRIDE = 5
+    BLOCK = 6
+
+
+#: Integers per matrix in the metadata table: the :class:`MetaColumn` columns and one unused.
+META_COLS: int = 8
+
+# The same layout as compile-time constants of the kernels (Triton reads only constexpr globals).
+_META_COLS = tl.constexpr(META_COLS)
+_META_SRC = tl.constexpr(int(MetaColumn.SRC))
+_META_WORK = tl.constexpr(int(MetaColumn.WORK))
+_META_M = tl.constexpr(int(MetaColumn.M))
+_META_N = tl.constexpr(int(MetaColumn.N))
+_META_ROW_STRIDE = tl.constexpr(int(MetaColumn.ROW_STRIDE))
+_META_COL_STRIDE = tl.constexpr(int(MetaColumn.COL_STRIDE))
+_META_BLOCK = tl.constexpr(int(MetaColumn.BLOCK))
+
+
+def work_dtype(use_gram: bool) -> torch.dtype:
+    """Workspace dtype of the Gram (:data:`GRAM_WORK_DTYPE`) or standard iteration."""
+    return GRAM_WORK_DTYPE if use_gram else STANDARD_WORK_DTYPE
+
+
+def coefficient_table(use_gram: bool, device: torch.device) -> torch.Tensor:
+    """The (a, b, c) of every iteration, one row each, as a float32 device tensor.
+
+    ``functional.gram_schedule().coeffs`` or ``functional.standard_schedule()``; the kernels
+    take their iteration count from it too (its rows, or :func:`gram_constants`).
+    """
+    rows = F.gram_schedule().coeffs if use_gram else F.standard_schedule()
+    return torch.tensor(rows, dtype=torch.float32, device=device)
+
+
+def gram_constants() -> dict[str, tuple[int, ...]]:
+    """The Gram schedule's per-iteration flags (0 or 1), as the kernels take them (compile-time tuples).
+
+    ``RESTARTS``: X and R are re-formed before the iteration; ``FRESH_Q``: the transform
+    starts afresh there; ``UPDATES_R``: R is carried forward after it. Their length is the
+    number of iterations. All three from :func:`deepmd_hybridmuon.functional.gram_schedule`.
+    """
+    return dict(_gram_constants(F.gram_schedule()))
+
+
+@functools.cache
+def _gram_constants(schedule: F.GramSchedule) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    flags = {"RESTARTS": schedule.restarts, "FRESH_Q": schedule.fresh_q, "UPDATES_R": schedule.updates_r}
+    return tuple((name, tuple(int(f) for f in values)) for name, values in flags.items())
+
+
+def resident(rows: int, cols: int) -> bool:
+    """Whether a matrix (smaller side ``rows``, larger ``cols``) stays in registers."""
+    return _block(rows) * _block(cols) <= RESIDENT_ELEMENTS
+
+
+def _block(size: int) -> int:
+    return max(16, triton.next_power_of_2(size))
+
+
+def _warps(bm: int) -> int:
+    """Warps per program: 8 for 128 x 128 tiles (64 float32 registers per thread), else 4."""
+    return 8 if bm >= 128 else 4
+
+
+@triton.jit
+def _load_chunk(base, rows, cols, m, n, s_r, s_c):
+    mask = (rows < m)[:, None] & (cols < n)[None, :]
+    return tl.load(base + rows[:, None] * s_r + cols[None, :] * s_c, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_chunk(base, value, rows, cols, m, n, s_r, s_c):
+    mask = (rows < m)[:, None] & (cols < n)[None, :]
+    tl.store(base + rows[:, None] * s_r + cols[None, :] * s_c, value, mask=mask)
+
+
+@triton.jit
+def _matrix_meta(meta_ptr, i):
+    """Row ``i`` of the metadata table (:class:`MetaColumn`): src, work, m, n, row and column stride, block."""
+    meta = meta_ptr + i * _META_COLS
+    return (
+        tl.load(meta + _META_SRC),
+        tl.load(meta + _META_WORK),
+        tl.load(meta + _META_M),
+        tl.load(meta + _META_N),
+        tl.load(meta + _META_ROW_STRIDE),
+        tl.load(meta + _META_COL_STRIDE),
+        tl.load(meta + _META_BLOCK),
+    )
+
+
+@triton.jit
+def _inverse_norm(sum_sq, eps, GRAM: tl.constexpr):
+    """1 / ||G||: with ``eps`` added (Gram reference) or as a floor (standard reference)."""
+    norm = tl.sqrt(sum_sq)
+    if GRAM:
+        return 1.0 / (norm + eps)
+    return 1.0 / tl.maximum(norm, eps)
+
+
+@triton.jit
+def _quintic_polynomial(A, coef_ptr, k):
+    """b A + c A^2 of iteration ``k`` (the ``a X`` term is added by the caller), in A's dtype."""
+    b = tl.load(coef_ptr + 3 * k + 1)
+    c = tl.load(coef_ptr + 3 * k + 2)
+    return (c * tl.dot(A, A) + b * A.to(tl.float32)).to(A.dtype)
+
+
+@triton.jit
+def _polar_express_step(R, Q, eye, coef_ptr, k: tl.constexpr, FRESH_Q: tl.constexpr, UPDATE_R: tl.constexpr):
+    """Iteration ``k`` of the Gram form: Z = b R + c R^2, Q <- Q (a I + Z), R <- (a I + Z) R (a I + Z).
+
+    Q starts afresh (Q = a I + Z) with ``FRESH_Q``; R is updated only with ``UPDATE_R`` (the
+    flags of :func:`gram_constants`, as in ``functional.gram_newton_schulz``).
+    """
+    a = tl.load(coef_ptr + 3 * k)
+    Z = _quintic_polynomial(R, coef_ptr, k)
+    if FRESH_Q:
+        Q = (Z.to(tl.float32) + a * eye).to(R.dtype)
+    else:
+        Q = tl.dot(Q, Z, a * Q.to(tl.float32)).to(R.dtype)
+    if UPDATE_R:
+        RP = tl.dot(R, Z, a * R.to(tl.float32)).to(R.dtype)
+        R = tl.dot(Z, RP, a * RP.to(tl.float32)).to(R.dtype)
+    return R, Q

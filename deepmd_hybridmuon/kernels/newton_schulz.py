@@ -1,0 +1,193 @@
+"""Newton–Schulz with one program per matrix (smaller side up to ``MAX_ROWS``): :func:`orthogonalize_blocks`.
+
+Each program of a launch takes one matrix of the metadata table
+(:class:`~deepmd_hybridmuon.kernels.common.MetaColumn`) and runs the whole iteration on it:
+
+* it reads its block of the engine's flat Nesterov-update vector directly (row/column
+  strides give the wide orientation: no padded stack, no index copies);
+* the ``m x m`` products (``A = X X^T``, the polynomial, the Gram matrix and the
+  accumulated transform) stay in registers; so does ``X`` (``m x n``) when it fits
+  (:func:`~deepmd_hybridmuon.kernels.common.resident`), otherwise it lives in a per-matrix
+  slice of a bf16 workspace and is streamed through in column chunks of ``CHUNK``
+  (standard iteration only: the Gram iteration of such matrices takes the panel path);
+* the result, times the block's factor (Muon scale x Magma x -lr, computed on the device
+  before), is written to the flat output vector in the parameter's own layout.
+
+The coefficients are the rows of ``coefficient_table`` and the Gram schedule's restarts
+compile-time constants of ``gram_constants``, both read from ``functional``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import functional as F
+from .common import (
+    CHUNK,
+    _block,
+    _inverse_norm,
+    _load_chunk,
+    _matrix_meta,
+    _polar_express_step,
+    _quintic_polynomial,
+    _store_chunk,
+    _warps,
+    gram_constants,
+    resident,
+)
+from .panel import panelled
+
+
+@triton.jit
+def _gram(work, rows, cols, m, n, BM: tl.constexpr, BN: tl.constexpr):
+    """X X^T of the workspace matrix, float32 accumulation."""
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for c0 in range(0, n, BN):
+        x = _load_chunk(work, rows, c0 + cols, m, n, n, 1)
+        acc = tl.dot(x, tl.trans(x), acc)
+    return acc
+
+
+@triton.jit
+def _apply_left(work, T, rows, cols, m, n, alpha, BN: tl.constexpr):
+    """X <- alpha X + T X in place, chunk by chunk (T is m x m, already in X's dtype)."""
+    for c0 in range(0, n, BN):
+        x = _load_chunk(work, rows, c0 + cols, m, n, n, 1)
+        y = tl.dot(T, x, alpha * x.to(tl.float32))
+        _store_chunk(work, y.to(x.dtype), rows, c0 + cols, m, n, n, 1)
+    tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["n_steps", "eps"])
+def _newton_schulz_kernel(
+    src_ptr,
+    dst_ptr,
+    work_ptr,
+    meta_ptr,
+    coef_ptr,
+    scale_ptr,
+    n_steps,
+    eps,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    GRAM: tl.constexpr,
+    RESIDENT: tl.constexpr,
+    RESTARTS: tl.constexpr,
+    FRESH_Q: tl.constexpr,
+    UPDATES_R: tl.constexpr,
+):
+    """Program ``i``: Newton–Schulz of row ``i`` of the metadata table; ``scale * O`` into ``dst``.
+
+    The standard iteration runs ``n_steps`` rows of the coefficient table; the Gram one
+    (``GRAM``, resident matrices only) the iterations of ``RESTARTS``, ``FRESH_Q`` and
+    ``UPDATES_R`` (:func:`~deepmd_hybridmuon.kernels.common.gram_constants`), unrolled.
+    """
+    src_off, work_off, m, n, s_r, s_c, block = _matrix_meta(meta_ptr, tl.program_id(0))
+    rows = tl.arange(0, BM)
+    cols = tl.arange(0, BN)
+    src = src_ptr + src_off
+    work = work_ptr + work_off
+    wdtype = work_ptr.dtype.element_ty
+
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    scale = tl.load(scale_ptr + block)
+    dst = dst_ptr + src_off
+    if RESIDENT:
+        # The whole matrix in registers (BN >= n): no memory traffic between iterations.
+        g = _load_chunk(src, rows, cols, m, n, s_r, s_c).to(tl.float32)
+        X = (g * _inverse_norm(tl.sum(g * g), eps, GRAM)).to(wdtype)
+        if GRAM:
+            R = tl.dot(X, tl.trans(X)).to(wdtype)
+            Q = eye.to(wdtype)
+            for k in tl.static_range(len(RESTARTS)):
+                if RESTARTS[k]:  # re-form X and its Gram matrix
+                    X = tl.dot(Q, X).to(wdtype)
+                    R = tl.dot(X, tl.trans(X)).to(wdtype)
+                R, Q = _polar_express_step(R, Q, eye, coef_ptr, k, FRESH_Q[k], UPDATES_R[k])
+            Y = tl.dot(Q, X)
+        else:
+            for k in range(n_steps):
+                a = tl.load(coef_ptr + 3 * k)
+                A = tl.dot(X, tl.trans(X)).to(wdtype)
+                B = _quintic_polynomial(A, coef_ptr, k)
+                X = tl.dot(B, X, a * X.to(tl.float32)).to(wdtype)
+            Y = X.to(tl.float32)
+        _store_chunk(dst, (Y * scale).to(dst_ptr.dtype.element_ty), rows, cols, m, n, s_r, s_c)
+    else:
+        # X0 = G / ||G||_F in the workspace (wide orientation, row-major, row stride n).
+        sq = tl.zeros((BM, BN), dtype=tl.float32)
+        for c0 in range(0, n, BN):
+            g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
+            sq += g * g
+        inv = _inverse_norm(tl.sum(sq), eps, GRAM)
+        for c0 in range(0, n, BN):
+            g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
+            _store_chunk(work, (g * inv).to(wdtype), rows, c0 + cols, m, n, n, 1)
+        tl.debug_barrier()
+        # (The Gram iteration of long matrices takes the panel path, orthogonalize_panels.)
+        for k in range(n_steps):
+            a = tl.load(coef_ptr + 3 * k)
+            B = _quintic_polynomial(_gram(work, rows, cols, m, n, BM, BN).to(wdtype), coef_ptr, k)
+            tl.debug_barrier()
+            _apply_left(work, B, rows, cols, m, n, a, BN)
+        # out = scale * X in the source layout and the output's dtype.
+        for c0 in range(0, n, BN):
+            x = _load_chunk(work, rows, c0 + cols, m, n, n, 1).to(tl.float32)
+            _store_chunk(dst, (x * scale).to(dst_ptr.dtype.element_ty), rows, c0 + cols, m, n, s_r, s_c)
+
+
+def orthogonalize_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    work: torch.Tensor,
+    meta: torch.Tensor,
+    coefs: torch.Tensor,
+    scale: torch.Tensor,
+    rows: int,
+    cols: int,
+    use_gram: bool,
+) -> None:
+    """Orthogonalise every matrix listed in ``meta`` (one launch) and write ``scale * O`` to ``dst``.
+
+    Parameters
+    ----------
+    src, dst
+        Flat vectors (same length and layout): the Nesterov updates, and the output.
+    work
+        Workspace, :data:`GRAM_WORK_DTYPE` or :data:`STANDARD_WORK_DTYPE`, with room for
+        ``m * n`` elements per matrix at the offsets given in ``meta`` (unused, but still
+        giving the dtype, when every matrix is :func:`resident`).
+    meta
+        ``(count, META_COLS)`` int64 table, see :data:`META_COLS`.
+    coefs
+        :func:`coefficient_table` of the path.
+    scale
+        Per-block multipliers (float32), indexed by the block column of ``meta``.
+    rows, cols
+        Largest smaller and larger side among the matrices (``rows <= MAX_ROWS``).
+    use_gram
+        Gram Newton–Schulz (rectangular matrices) instead of the standard iteration; only
+        for :func:`resident` matrices (long ones: :func:`orthogonalize_panels`).
+    """
+    if panelled(use_gram, rows, cols):
+        raise ValueError(f"a {rows} x {cols} matrix takes the Gram iteration in panels: orthogonalize_panels")
+    _newton_schulz_kernel[(meta.size(0),)](
+        src, dst, work, meta, coefs, scale, coefs.size(0), F.NS_EPS, **_ns_options(rows, cols, use_gram)
+    )
+
+
+def _ns_options(rows: int, cols: int, use_gram: bool) -> dict[str, Any]:
+    """The compile-time options of a Newton–Schulz launch."""
+    bm, keep = _block(rows), resident(rows, cols)
+    return {
+        "BM": bm,
+        "BN": _block(cols) if keep else CHUNK,
+        "GRAM": use_gram,
+        "RESIDENT": keep,
+        **gram_constants(),
+        "num_warps": _warps(bm),
+    }

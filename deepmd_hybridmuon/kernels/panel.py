@@ -1,0 +1,217 @@
+"""Gram Newton–Schulz of long matrices in column panels: :func:`orthogonalize_panels`.
+
+A long matrix (smaller side <= ``MAX_ROWS``, not resident) in one program streams m x n
+through one SM several times. Split into panels of :data:`PANEL` columns instead, every pass
+over X is spread over many programs, and the m x m work between passes is one program per
+matrix. The Gram schedule (``functional.gram_schedule``) is cut at its restarts into
+segments; each segment is one reduce launch (per matrix) and one apply launch (per panel):
+
+  1. per panel:  S_p = G_p G_p^T (float32)                               -> partial[p]
+  per segment s (iterations start:stop, :func:`panel_launches`):
+  2. per matrix: R = sum_p S_p (first segment: ||G||^2 = trace R, R /= ||G||^2);
+                 iterations start:stop of the Gram form                   -> Q
+  3. per panel:  X_p = Q X_p (first segment: X_p = fp16(G_p / ||G||) first);
+                 last segment: out_p = factor * X_p -> dst, else X_p -> work and
+                 X_p X_p^T -> partial[p] (the next segment's R)
+
+With the schedule's one restart, five launches. The reference forms R from the rounded X0;
+here it comes from G in float32 products (TF32 on the tensor cores), a rounding of the
+same size.
+"""
+
+from __future__ import annotations
+
+import functools
+from enum import IntEnum
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import functional as F
+from .common import (
+    MetaColumn,
+    _block,
+    _load_chunk,
+    _matrix_meta,
+    _polar_express_step,
+    _store_chunk,
+    _warps,
+    gram_constants,
+    resident,
+)
+
+#: Columns per panel of the long-matrix Gram path.
+PANEL: int = 64
+
+
+class PanelColumn(IntEnum):
+    """Columns of the panel table: the matrix's row in the metadata table, the panel's first column."""
+
+    MATRIX = 0
+    FIRST_COL = 1
+
+
+#: Integers per panel in the panel table (:class:`PanelColumn`).
+PANEL_COLS: int = 2
+
+_PANEL_COLS = tl.constexpr(PANEL_COLS)
+_PANEL_MATRIX = tl.constexpr(int(PanelColumn.MATRIX))
+_PANEL_FIRST_COL = tl.constexpr(int(PanelColumn.FIRST_COL))
+
+
+@triton.jit
+def _panel_gram_kernel(src_ptr, meta_ptr, panel_ptr, partial_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    p = tl.program_id(0)
+    i = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_MATRIX)
+    c0 = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_FIRST_COL)
+    src_off, _, m, n, s_r, s_c, _ = _matrix_meta(meta_ptr, i)
+    rows = tl.arange(0, BM)
+    g = _load_chunk(src_ptr + src_off, rows, c0 + tl.arange(0, BN), m, n, s_r, s_c).to(tl.float32)
+    S = tl.dot(g, tl.trans(g))
+    tl.store(partial_ptr + p * BM * BM + rows[:, None] * BM + rows[None, :], S)
+
+
+@triton.jit
+def _panel_reduce_kernel(
+    first_ptr, partial_ptr, q_ptr, inv_ptr, coef_ptr, eps, BM: tl.constexpr,
+    START: tl.constexpr, STOP: tl.constexpr, FRESH_Q: tl.constexpr, UPDATES_R: tl.constexpr,
+):  # fmt: skip
+    """Per matrix: R from the panels' partial sums, then iterations START:STOP of the Gram form -> Q."""
+    i = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    tile = rows[:, None] * BM + rows[None, :]
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for p in range(tl.load(first_ptr + i), tl.load(first_ptr + i + 1)):
+        acc += tl.load(partial_ptr + p * BM * BM + tile)
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    Q = eye.to(tl.float16)
+    if START == 0:
+        inv = 1.0 / (tl.sqrt(tl.sum(acc * eye)) + eps)  # ||G|| = sqrt(trace(G G^T))
+        tl.store(inv_ptr + i, inv)
+        R = (acc * inv * inv).to(tl.float16)
+    else:  # a restart: the partial sums are those of X X^T
+        R = acc.to(tl.float16)
+    for k in tl.static_range(START, STOP):
+        R, Q = _polar_express_step(R, Q, eye, coef_ptr, k, FRESH_Q[k], UPDATES_R[k])
+    tl.store(q_ptr + i * BM * BM + tile, Q)
+
+
+@triton.jit
+def _panel_apply_kernel(
+    src_ptr,
+    work_ptr,
+    dst_ptr,
+    meta_ptr,
+    panel_ptr,
+    q_ptr,
+    inv_ptr,
+    partial_ptr,
+    scale_ptr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    FROM_SOURCE: tl.constexpr,
+    FINAL: tl.constexpr,
+):
+    """Per panel: X_p <- Q X_p (X_p = G_p / ||G|| with FROM_SOURCE); FINAL: factor * X_p into ``dst``."""
+    p = tl.program_id(0)
+    i = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_MATRIX)
+    c0 = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_FIRST_COL)
+    src_off, work_off, m, n, s_r, s_c, block = _matrix_meta(meta_ptr, i)
+    rows = tl.arange(0, BM)
+    cols = c0 + tl.arange(0, BN)
+    Q = tl.load(q_ptr + i * BM * BM + rows[:, None] * BM + rows[None, :])
+    work = work_ptr + work_off
+    if FROM_SOURCE:
+        g = _load_chunk(src_ptr + src_off, rows, cols, m, n, s_r, s_c).to(tl.float32)
+        x = (g * tl.load(inv_ptr + i)).to(tl.float16)
+    else:
+        x = _load_chunk(work, rows, cols, m, n, n, 1)
+    y = tl.dot(Q, x).to(tl.float16)
+    if FINAL:
+        y = y.to(tl.float32) * tl.load(scale_ptr + block)
+        _store_chunk(dst_ptr + src_off, y.to(dst_ptr.dtype.element_ty), rows, cols, m, n, s_r, s_c)
+    else:
+        _store_chunk(work, y, rows, cols, m, n, n, 1)
+        S = tl.dot(y, tl.trans(y))
+        tl.store(partial_ptr + p * BM * BM + rows[:, None] * BM + rows[None, :], S)
+
+
+def panel_table(meta: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Panels of the matrices of a metadata table, and each matrix's first panel.
+
+    Returns ``panels`` (:class:`PanelColumn` rows) and ``first`` (matrices + 1).
+    """
+    panels, first = [], [0]
+    for i, row in enumerate(meta):
+        for c0 in range(0, row[MetaColumn.N], PANEL):
+            panel = [0] * PANEL_COLS
+            panel[PanelColumn.MATRIX], panel[PanelColumn.FIRST_COL] = i, c0
+            panels.append(panel)
+        first.append(len(panels))
+    return panels, first
+
+
+def panel_launches() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Compile-time options of the (reduce, apply) launches, one pair per segment of the Gram schedule.
+
+    Derived from ``functional.gram_schedule()``: a segment runs from the first iteration or
+    a restart to the next restart or the end.
+    """
+    return [(dict(reduce), dict(apply)) for reduce, apply in _panel_launches(F.gram_schedule())]
+
+
+@functools.cache
+def _panel_launches(schedule: F.GramSchedule) -> tuple[tuple[tuple[tuple[str, Any], ...], ...], ...]:
+    flags = gram_constants()
+    last = len(schedule.segments) - 1
+    return tuple(
+        (
+            (("START", start), ("STOP", stop), ("FRESH_Q", flags["FRESH_Q"]), ("UPDATES_R", flags["UPDATES_R"])),
+            (("FROM_SOURCE", s == 0), ("FINAL", s == last)),
+        )
+        for s, (start, stop) in enumerate(schedule.segments)
+    )
+
+
+def orthogonalize_panels(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    work: torch.Tensor,
+    meta: torch.Tensor,
+    panels: torch.Tensor,
+    first: torch.Tensor,
+    partial: torch.Tensor,
+    q: torch.Tensor,
+    inv: torch.Tensor,
+    coefs: torch.Tensor,
+    scale: torch.Tensor,
+    rows: int,
+) -> None:
+    """Gram Newton–Schulz of long matrices in ``1 + 2 * segments`` launches (see the module docstring).
+
+    ``meta`` as for ``orthogonalize_blocks``; ``panels`` and ``first`` from
+    :func:`panel_table`; workspaces: ``partial`` float32 ``(panels, BM, BM)``, ``q``
+    float16 ``(matrices, BM, BM)``, ``inv`` float32 ``(matrices,)``, ``work`` float16 with
+    room for every matrix; ``BM = panel_block(rows)``.
+    """
+    bm = panel_block(rows)
+    n_panels, n_matrices = panels.size(0), meta.size(0)
+    warps = _warps(bm)
+    _panel_gram_kernel[(n_panels,)](src, meta, panels, partial, BM=bm, BN=PANEL, num_warps=warps)
+    for reduce, apply in panel_launches():
+        _panel_reduce_kernel[(n_matrices,)](first, partial, q, inv, coefs, F.NS_EPS, BM=bm, **reduce, num_warps=warps)
+        _panel_apply_kernel[(n_panels,)](
+            src, work, dst, meta, panels, q, inv, partial, scale, BM=bm, BN=PANEL, **apply, num_warps=warps
+        )
+
+
+def panel_block(rows: int) -> int:
+    """The padded ``m x m`` size of the panel kernels."""
+    return _block(rows)
+
+
+def panelled(use_gram: bool, rows: int, cols: int) -> bool:
+    """Whether a launch group takes the panel path (:func:`orthogonalize_panels`)."""
+    return use_gram and not resident(rows, cols)
