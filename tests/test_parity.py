@@ -48,15 +48,23 @@ SHAPES = {
 #: Parameters that get no gradient (the engine leaves them out; nothing may touch them).
 GRADLESS = {"frozen.matrix"}
 
-# Added for the Triton rows: every path of the kernels in one step.
+# The Triton rows (the interpreter is slow: fewer, larger matrices): every path of the kernels
+# in one step, and each decay route (Adam, AdamW, Muon) of the update kernel.
 KERNEL_SHAPES = {
-    **SHAPES,
+    "emb.layers.1.matrix": (25, 50),
+    "emb.layers.2.matrix": (50, 40),
+    "emb.layers.2.bias": (40,),
+    "fit.layers.1.matrix": (24, 24),
+    "fit.layers.2.matrix": (24, 1),
+    "rep.linear.weight": (3, 16, 20),
+    "rep.ls.adamw_gamma": (5, 7),
     "fit.long.matrix": (40, 300),  # too long to stay in registers: panels (Gram) or streamed
     # smaller side above MAX_ROWS: two phased groups (Gram and standard) in the same step
     "big.matrix": (160, 136),
     "big.square": (144, 144),
     # smaller side above MAX_PHASED_ROWS: a torch bucket (cuBLAS is faster there), in the same step
     "huge.matrix": (264, 270),
+    "frozen.matrix": (8, 12),
 }
 
 #: Every combination of the options that change the arithmetic.
