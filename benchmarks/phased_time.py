@@ -38,7 +38,7 @@ REPLAYS = 7  # replays timed; the median is printed
 
 
 def build(device: torch.device, use_gram: bool, count: int, m: int, n: int) -> dict:
-    """Inputs and workspaces of one phased group, as ``flat.GroupEngine._build_phased`` makes them."""
+    """Inputs and workspaces of one phased group, as ``engine.layout.Layout._build_phased`` makes them."""
     src = torch.randn(count * m * n, dtype=torch.float64, device=device)
     meta = [(i * m * n, m, n, n, 1, i) for i in range(count)]
     size = K.phased_workspace(meta, use_gram)

@@ -36,12 +36,13 @@ def main() -> None:
     ap.add_argument("--ours-kw", action="append", default=[])
     ap.add_argument("--timeline", action="store_true", help="list the kernels of one graph replay")
     args = ap.parse_args()
-    kw = {"cuda_graph": False, **parse_kw(args.ours_kw, "--ours-kw")}
+    kw = parse_kw(args.ours_kw, "--ours-kw")
     device = torch.device("cuda")
     for name in args.configs.split(","):
         named, _ = build_named_params(DEFAULT_CONFIG_DIR / f"{name}.json", device)
         params = [p for _, p in named]
         opt = HybridMuonOptimizer(params, named_parameters=named, **kw)
+        opt._implementation = "engine-eager"  # the kernels of an eager step (optimizer.IMPLEMENTATIONS)
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
@@ -58,7 +59,7 @@ def main() -> None:
         total = sum(e.device_time for e in events)
         print(f"## {name} ({kw}): {len(events)} kernels, {total / 1000:.3f} ms of GPU time")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-        print(graph_split(named, {**kw, "cuda_graph": True}, args.timeline))
+        print(graph_split(named, kw, args.timeline))
 
 
 def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
@@ -80,17 +81,17 @@ def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
         host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         engine = opt._engines.get(0)
-        if i >= 10 and engine is not None and engine.graph is not None:
+        if i >= 10 and engine is not None and engine.executor.graph is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            engine.graph.replay()
+            engine.executor.graph.replay()
             end.record()
             end.synchronize()
             replay.append(start.elapsed_time(end))
     replay_ms = f"{statistics.median(replay):.3f}" if replay else "n/a (no graph)"
     line = f"graph on: host time of step() {statistics.median(host[10:]):.3f} ms, one replay {replay_ms} ms (GPU)"
     engine, group = opt._engines.get(0), opt.param_groups[0]
-    if engine is None or engine.graph is None:
+    if engine is None or engine.executor.graph is None:
         return line + "\n"
     parts: dict[str, list[float]] = {"signature": [], "stage": [], "replay (host)": []}
     for _ in range(30):
@@ -98,17 +99,17 @@ def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
             p.grad = g.clone()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        type(engine).signature_of(opt, group)
+        opt._engine_signature(group)
         t1 = time.perf_counter()
-        engine._stage(group)
+        engine.executor.stage(engine.batched.scalars(group), [p.grad for p in engine.layout.staged], None)
         t2 = time.perf_counter()
-        engine.graph.replay()
+        engine.executor.graph.replay()
         t3 = time.perf_counter()
         torch.cuda.synchronize()
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             parts[key].append(dt * 1e3)
     split = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in parts.items())
-    return f"{line}\n  host parts (ms): {split}\n" + (replay_timeline(engine.graph) if timeline else "")
+    return f"{line}\n  host parts (ms): {split}\n" + (replay_timeline(engine.executor.graph) if timeline else "")
 
 
 def replay_timeline(graph: torch.cuda.CUDAGraph) -> str:

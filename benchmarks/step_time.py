@@ -24,7 +24,7 @@ Usage::
     python benchmarks/step_time.py dpa4_water --variants ours,builtin,adamw   # configs by name
     python benchmarks/step_time.py --configs se_e2_a_water --steps 3 --warmup 1
     python benchmarks/step_time.py --variants ours,builtin,adamw --json out.json
-    python benchmarks/step_time.py --variants ours --ours-kw batched=False
+    python benchmarks/step_time.py --variants ours --ours-kw implementation=loop
 """
 
 from __future__ import annotations
@@ -149,15 +149,20 @@ def make_optimizer(
         return torch.optim.AdamW(params, lr=ADAMW_LR, **extra)
     family, _, suffix = variant.partition("-")
     options = dict(OPTION_SETS["-" + suffix if suffix else ""])
+    implementation = None
     if family == "ours":
         from deepmd_hybridmuon import HybridMuonOptimizer
 
         options.update(ours_kw)
+        # not a constructor keyword: the optimizer's private switch (optimizer.IMPLEMENTATIONS)
+        implementation = options.pop("implementation", None)
     elif family == "builtin":
         from deepmd.pt.optimizer.hybrid_muon import HybridMuonOptimizer
     else:
         raise ValueError(f"unknown variant {variant!r}")
     opt = HybridMuonOptimizer(params, **options)
+    if implementation is not None:
+        opt._implementation = implementation
     opt.set_param_names(named)
     return opt
 
@@ -371,7 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra constructor keyword for the ours-* variants (repeatable; value is a Python literal)",
+        help="extra constructor keyword for the ours-* variants (repeatable; value is a Python literal); "
+        "implementation=loop|engine-eager|engine picks optimizer.IMPLEMENTATIONS",
     )
     ap.add_argument("--no-dynamo-reset", action="store_true", help="do not call torch._dynamo.reset() per variant")
     ap.add_argument(

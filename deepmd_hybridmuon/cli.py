@@ -264,10 +264,10 @@ def _training_device() -> Any:
 
 
 def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
-    """Whether the flat engine runs the Triton kernels on ``device``, and why (the condition of ``flat.py``)."""
+    """Whether the flat engine runs the Triton kernels on ``device``, and why (the engine's own condition)."""
     import torch
 
-    from .flat import triton_runs_on
+    from .engine.compilation import triton_runs_on
 
     on = flash_muon and triton_runs_on(device)
     if on:

@@ -16,8 +16,8 @@ import torch
 from torch.optim.optimizer import Optimizer
 
 from . import functional as F
-from .flat import GroupEngine
-from .flat import is_dtensor as _is_dtensor
+from .engine import GroupEngine
+from .engine import is_dtensor as _is_dtensor
 
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
 log = logging.getLogger("deepmd.hybridmuon")
@@ -39,9 +39,17 @@ GROUP_KEYS: tuple[str, ...] = (
 #: Keys other code may add to a param_group: torch's schedulers and named groups.
 _FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
 #: Constructor keywords that are settings of the optimizer, not of a param_group.
-_OPTIMIZER_KEYS: frozenset[str] = frozenset(
-    {"flash_muon", "use_foreach", "batched", "cuda_graph", "named_parameters", "nonfinite_across_ranks"}
-)
+_OPTIMIZER_KEYS: frozenset[str] = frozenset({"flash_muon", "use_foreach", "named_parameters", "nonfinite_across_ranks"})
+#: The ways a param_group's step can run; all compute the same step. Not an option: the
+#: default is always right for users. Tests and benchmarks pick one by setting the private
+#: attribute ``_implementation`` of an optimizer before its first step (the only switch;
+#: :meth:`HybridMuonOptimizer._engine` reads it):
+#:
+#: * ``"engine"`` (default): the flat engine (:mod:`deepmd_hybridmuon.engine`), its arithmetic
+#:   captured in a CUDA graph after two eager steps on CUDA;
+#: * ``"engine-eager"``: the flat engine, every step eager;
+#: * ``"loop"``: the per-parameter loop of this module, the specification.
+IMPLEMENTATIONS: tuple[str, ...] = ("engine", "engine-eager", "loop")
 #: State tensors kept in float32 whatever the parameter dtype (torch's load_state_dict
 #: casts them to the parameter dtype; we cast them back).
 _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
@@ -206,9 +214,9 @@ class HybridMuonOptimizer(Optimizer):
     parameters work, each Muon matrix being gathered and orthogonalised whole.
 
     Implementations: the per-parameter loop in this class is the specification; the flat
-    engine (:mod:`deepmd_hybridmuon.flat`, default) computes the same step in batched
-    kernels, with Triton kernels (:mod:`deepmd_hybridmuon.kernels`) on CUDA, and is tested
-    against it.
+    engine (:mod:`deepmd_hybridmuon.engine`) computes the same step in batched kernels, with
+    Triton kernels (:mod:`deepmd_hybridmuon.kernels`) on CUDA, replayed as a CUDA graph, and
+    is tested against it (:data:`IMPLEMENTATIONS`; :meth:`execution_table` says which runs).
 
     Parameters
     ----------
@@ -242,16 +250,8 @@ class HybridMuonOptimizer(Optimizer):
     magma_muon
         Magma-lite damping of Muon updates.
     use_foreach
-        Accepted for compatibility with deepmd-kit's trainer; the step already
-        batches its work by matrix shape.
-    batched
-        Keyword-only. ``True`` (default): the flat engine (:mod:`deepmd_hybridmuon.flat`),
-        a fixed set of batched kernels per step whatever the number of parameters. ``False``: the
-        plain per-parameter loop, the specification the engine is tested against.
-    cuda_graph
-        Keyword-only. On CUDA, capture the flat engine's arithmetic in a CUDA graph after two
-        eager steps and replay it (the learning rate and bias corrections are read from a
-        device tensor, so schedulers keep working). ``False`` keeps every step eager.
+        Accepted (``True``, ``False`` or ``None``) and ignored: deepmd-kit's trainer passes it.
+        The step always batches its work (the flat engine).
     nonfinite_across_ranks
         Keyword-only. For an optimizer that sees only part of the parameters on each rank
         (the local optimizer of ``ZeroRedundancyOptimizer``, deepmd's ``zero_stage`` 1): every
@@ -276,16 +276,9 @@ class HybridMuonOptimizer(Optimizer):
         magma_muon: bool = True,
         use_foreach: bool | None = None,
         *,
-        batched: bool = True,
-        cuda_graph: bool = True,
         nonfinite_across_ranks: bool = False,
     ) -> None:
-        flags = {
-            "flash_muon": flash_muon,
-            "batched": batched,
-            "cuda_graph": cuda_graph,
-            "nonfinite_across_ranks": nonfinite_across_ranks,
-        }
+        flags = {"flash_muon": flash_muon, "nonfinite_across_ranks": nonfinite_across_ranks}
         for key, flag in flags.items():
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {key}: {flag!r}; expected true or false")
@@ -305,10 +298,8 @@ class HybridMuonOptimizer(Optimizer):
         _validate_group({"params": [], **defaults})  # fail on the argument, before any group
         defaults["muon_mode"] = str(muon_mode).lower()
         self.flash_muon = flash_muon
-        self.use_foreach = use_foreach
-        self.batched = batched
-        self.cuda_graph = cuda_graph
         self.nonfinite_across_ranks = nonfinite_across_ranks
+        self._implementation = "engine"  # see IMPLEMENTATIONS
         self._param_names: dict[int, str] = {}
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
@@ -324,7 +315,7 @@ class HybridMuonOptimizer(Optimizer):
         """Add a param_group after validating its keys and values (also after steps).
 
         Keys of the constructor that are no group hyperparameters (``flash_muon``,
-        ``use_foreach``, ``batched``, ``cuda_graph``) are dropped: ``ZeroRedundancyOptimizer``
+        ``use_foreach``, ``nonfinite_across_ranks``) are dropped: ``ZeroRedundancyOptimizer``
         copies every constructor keyword into the groups it hands to its local optimizer.
         """
         param_group = {k: v for k, v in param_group.items() if k not in _OPTIMIZER_KEYS}
@@ -399,14 +390,9 @@ class HybridMuonOptimizer(Optimizer):
     # -------------------------------------------------------------- checkpoint
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """torch adds ``differentiable`` to the defaults here; it is no HybridMuon key.
-
-        An optimizer pickled by an earlier release lacks the newer attributes: their defaults.
-        """
+        """torch adds ``differentiable`` to the defaults here; it is no HybridMuon key."""
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)
-        self.__dict__.setdefault("nonfinite_across_ranks", False)
-        self.__dict__.setdefault("_said_loop", False)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"hybridmuon": {"version": ...}`` naming the writer.
@@ -453,7 +439,7 @@ class HybridMuonOptimizer(Optimizer):
         shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
         for index, group in enumerate(self.param_groups):
             engine = self._engine(index, group)
-            if engine is None or not engine.step(self, group, shared):
+            if engine is None or not engine.step(group, shared):
                 if engine is not None and not self._said_loop:
                     self._said_loop = True
                     log.info(
@@ -483,33 +469,78 @@ class HybridMuonOptimizer(Optimizer):
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return ok
 
+    def _engine_signature(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        """What a group's engine is built from; a change rebuilds it."""
+        lr_adjust = float(group["lr_adjust"])
+        return (
+            self._names_version,
+            self._state_version,
+            self._implementation,
+            self.flash_muon,
+            self.nonfinite_across_ranks,
+            group["muon_mode"],
+            group["enable_gram"],
+            group["magma_muon"],
+            lr_adjust <= 0,
+            lr_adjust if lr_adjust > 0 else float(group["lr_adjust_coeff"]),
+            # constants baked into the (possibly captured) computation
+            tuple(float(b) for b in group["adam_betas"]),
+            float(group["momentum"]),
+            float(group["weight_decay"]) > 0,
+        )
+
     def _engine(self, index: int, group: dict[str, Any]) -> GroupEngine | None:
         """The flat engine of a group, (re)built when needed; ``None`` for the loop.
 
-        The loop runs when ``batched=False`` and for a group the engine does not support
-        (mixed dtypes or devices). Parameters without a gradient are left out of the engine,
-        which is rebuilt when that set changes (models with unused parameters have the same
-        set every step).
+        The loop runs when :data:`IMPLEMENTATIONS` ``"loop"`` is chosen and for a group the
+        engine does not support (mixed dtypes or devices, DTensors). Parameters without a
+        gradient are left out of the engine, which is rebuilt when that set changes (models
+        with unused parameters have the same set every step).
         """
-        if not self.batched:
+        if self._implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"Invalid _implementation: {self._implementation!r}; expected one of {IMPLEMENTATIONS}")
+        if self._implementation == "loop":
             return None
         engine = self._engines.get(index)
-        if (
-            engine is not None
-            and engine.signature == GroupEngine.signature_of(self, group)
-            and engine.matches(group)
-            and not engine.outdated
-        ):
+        signature = self._engine_signature(group)
+        if engine is not None and engine.signature == signature and engine.matches(group) and not engine.outdated:
             return engine
         if not GroupEngine.supports(group):
             return None
         kernels_ready = engine is not None and engine.outdated
-        engine = self._engines[index] = GroupEngine(self, group)
+        engine = self._engines[index] = GroupEngine(
+            group,
+            [self.route_of(p, group) for p in group["params"]],
+            self.state,
+            signature=signature,
+            flash_muon=self.flash_muon,
+            shared_gate=self.nonfinite_across_ranks,
+            cuda_graph=self._implementation == "engine",
+        )
         if engine.compiling is not None:
             log.info("flat engine: Triton kernels compile in the background; torch kernels until then")
         elif kernels_ready:
             log.info("flat engine: Triton kernels ready, now in use")
         return engine
+
+    def execution_table(self) -> list[dict[str, Any]]:
+        """How steps run, one row per param_group, as of the last step.
+
+        ``implementation``: ``"engine"`` (the flat engine; it hands a step to the loop when
+        Adam parameters are at different step counts, logged once) or ``"loop"`` (not stepped
+        yet, the loop chosen, or a group the engine does not support). For the engine also:
+        ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
+        kernels are compiled), ``cuda_graph`` (steps replay a captured graph), and the paths of
+        the Muon matrices: ``program_matrices`` (one Triton program each), ``panelled`` (some
+        streamed in panels), ``phased`` ((use_gram, padded shape) of each phased Triton
+        launch) and ``torch_matrices`` ((rows, cols) of each parameter on the torch path).
+        """
+        rows = []
+        for index, group in enumerate(self.param_groups):
+            engine = self._engines.get(index)
+            fresh = engine is not None and engine.signature == self._engine_signature(group)
+            rows.append(engine.summary() if fresh else {"implementation": "loop"})
+        return rows
 
     def _step_group(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
         lr = float(group["lr"])

@@ -19,10 +19,14 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+
+from deepmd_hybridmuon import HybridMuonOptimizer
+from deepmd_hybridmuon.optimizer import IMPLEMENTATIONS
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 #: What our plugin logs (once per run) when deepmd's trainer builds our optimizer.
@@ -209,6 +213,76 @@ def run_steps(
     for k in steps:
         set_grads(params, seeded_grads(params, k, seed))
         opt.step()
+
+
+def make_optimizer(params: Any, implementation: str = "engine", **options: Any) -> HybridMuonOptimizer:
+    """A :class:`HybridMuonOptimizer` whose steps run ``implementation`` (``optimizer.IMPLEMENTATIONS``).
+
+    The implementation is no constructor option; this sets the optimizer's private switch,
+    the one place where it is chosen.
+    """
+    opt = HybridMuonOptimizer(params, **options)
+    use_implementation(opt, implementation)
+    return opt
+
+
+def use_implementation(opt: HybridMuonOptimizer, implementation: str) -> None:
+    """Make ``opt`` run ``implementation`` from its next step on (``optimizer.IMPLEMENTATIONS``)."""
+    assert implementation in IMPLEMENTATIONS, implementation
+    opt._implementation = implementation
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Iterator[tuple[Any, torch.device]]:
+    """``deepmd_hybridmuon.kernels``, compiled (GPU) or interpreted (CPU); and the device.
+
+    Without a GPU the kernels run under Triton's CPU interpreter, which must be switched on
+    (``TRITON_INTERPRET=1``) before Triton is first imported: modules using this fixture
+    re-run themselves in a subprocess with it set (see :func:`run_interpreted`). Two
+    shortcomings of Triton 3.6's interpreter are worked around, in the tests only:
+
+    * it converts a loaded scalar used as a loop bound with ``int()`` of a one-element
+      array, which NumPy >= 2.4 rejects: the conversion is patched to take the element;
+    * it multiplies bfloat16 matrices wrongly (NumPy has no bfloat16): the standard
+      iteration's workspace is float16 under the interpreter. The Gram iteration is float16
+      anyway, so its arithmetic is the production one.
+    """
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        from deepmd_hybridmuon import kernels as K
+
+        mp = pytest.MonkeyPatch()
+        mp.setattr(K, "registry", K.KernelRegistry(background=False))  # the kernels from the first step on
+        yield K, torch.device("cuda")
+        mp.undo()
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU: this module's test *_under_the_interpreter runs it interpreted")
+    import triton.runtime.interpreter as interpreter
+
+    from deepmd_hybridmuon import kernels as K
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(interpreter, "_patch_lang_tensor", patch)
+    mp.setattr(K, "STANDARD_WORK_DTYPE", torch.float16)
+    yield K, torch.device("cpu")
+    mp.undo()
+
+
+def run_interpreted(path: str, select: str) -> None:
+    """Run the tests of ``path`` selected by ``select`` (``pytest -k``) in a subprocess under Triton's interpreter."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, "-k", select]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout, run.stdout[-2000:]  # not everything skipped
 
 
 @pytest.fixture(scope="session", autouse=True)

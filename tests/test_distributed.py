@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_model, seeded_grads, set_grads
+from conftest import build_model, make_optimizer, seeded_grads, set_grads, use_implementation
 
 from deepmd_hybridmuon import HybridMuonOptimizer
 from deepmd_hybridmuon import functional as F
@@ -66,7 +66,7 @@ SPAWN_TIMEOUT = 240
 # which the sharded path is: the Nesterov update, Magma's cosine and Newton–Schulz run on
 # the gathered full matrices, only elementwise rules run on the shards). Asserted exactly.
 #
-#: The flat engine (one process, default ``batched=True``) against the loop (what FSDP2 runs,
+#: The flat engine (one process, the default implementation) against the loop (what FSDP2 runs,
 #: and each ZeRO-1 rank's engine on its partition): zero padding and bucketing change
 #: bfloat16/float16 roundings (test_parity_builtin.ENGINE_VS_LOOP_RTOL, 2^-7 = 7.8e-3).
 #: Measured here after 5 steps, worst parameter: FSDP2 vs one-process engine 4.3e-3
@@ -199,14 +199,15 @@ def _scenario_zero(rank: int, outdir: str) -> None:
     named = list(net.named_parameters())
     # Without nonfinite_across_ranks only the owning rank skips; with it (what the plugin
     # sets for zero_stage 1) every rank does, in the loop and in the flat engine.
-    for key, options in (
-        ("moved_in_nan_step_local", {}),
-        ("moved_in_nan_step", {"nonfinite_across_ranks": True}),
-        ("moved_in_nan_step_loop", {"nonfinite_across_ranks": True, "batched": False}),
+    for key, implementation, options in (
+        ("moved_in_nan_step_local", "engine", {}),
+        ("moved_in_nan_step", "engine", {"nonfinite_across_ranks": True}),
+        ("moved_in_nan_step_loop", "loop", {"nonfinite_across_ranks": True}),
     ):
         net = _Net()
         named = list(net.named_parameters())
         zero = ZeroRedundancyOptimizer([p for _, p in named], optimizer_class=HybridMuonOptimizer, lr=LR, **options)
+        use_implementation(zero.optim, implementation)
         zero.optim.set_param_names(named)
         set_grads([p for _, p in named], _full_grads(named, 0))
         zero.step()  # one finite step first: then the NaN step runs on state
@@ -216,11 +217,12 @@ def _scenario_zero(rank: int, outdir: str) -> None:
         after = _snapshot(named)
         results[key] = [n for n in before if not torch.equal(before[n], after[n])]
 
-    for label, batched in (("loop", False), ("engine", True)):
+    for label in ("loop", "engine"):
         net = _Net()
         named = list(net.named_parameters())
         params = [p for _, p in named]
-        zero = ZeroRedundancyOptimizer(params, optimizer_class=HybridMuonOptimizer, lr=LR, batched=batched)
+        zero = ZeroRedundancyOptimizer(params, optimizer_class=HybridMuonOptimizer, lr=LR)
+        use_implementation(zero.optim, label)
         zero.optim.set_param_names(named)  # as deepmd's trainer does
         for k in range(STEPS_BEFORE + STEPS_AFTER):
             if k == STEPS_BEFORE:
@@ -366,12 +368,12 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 
 
 def _single_process_net(
-    steps: int, *, nan: bool, batched: bool, snapshot_at: int | None = None, **options: object
+    steps: int, *, nan: bool, implementation: str, snapshot_at: int | None = None, **options: object
 ) -> dict:
     net = _Net()
     named = list(net.named_parameters())
     params = [p for _, p in named]
-    opt = HybridMuonOptimizer(params, named_parameters=named, lr=LR, batched=batched, **options)
+    opt = make_optimizer(params, implementation, named_parameters=named, lr=LR, **options)
     out: dict[str, object] = {"start": _snapshot(named)}
     for k in range(steps):
         if k == snapshot_at:
@@ -420,7 +422,7 @@ class _Run:
 
 @pytest.fixture(scope="module")
 def fsdp_reference() -> dict:
-    return _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, batched=False, snapshot_at=STEPS_BEFORE)
+    return _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, implementation="loop", snapshot_at=STEPS_BEFORE)
 
 
 @pytest.fixture(scope="module")
@@ -486,8 +488,8 @@ def test_ddp_matches_one_process(run: _Run) -> None:
 
 def test_zero1_matches_one_process_and_resumes(run: _Run) -> None:
     total = STEPS_BEFORE + STEPS_AFTER
-    loop = _single_process_net(total, nan=False, batched=False, snapshot_at=STEPS_BEFORE)
-    engine = _single_process_net(total, nan=False, batched=True)
+    loop = _single_process_net(total, nan=False, implementation="loop", snapshot_at=STEPS_BEFORE)
+    engine = _single_process_net(total, nan=False, implementation="engine")
     r0, r1 = run.result("zero", 0), run.result("zero", 1)
     # Both ranks own parameters, and every parameter is owned once.
     for label in ("loop", "engine"):
@@ -514,7 +516,7 @@ def test_zero1_matches_one_process_and_resumes(run: _Run) -> None:
         for n, p in named:
             p.copy_(r0["loop_mid"][n])
     params = [p for _, p in named]
-    opt = HybridMuonOptimizer(params, named_parameters=named, lr=LR, batched=False)
+    opt = make_optimizer(params, "loop", named_parameters=named, lr=LR)
     opt.load_state_dict(r0["state_dict"])
     assert opt.state_routing_mismatches() == []
     for k in range(STEPS_BEFORE, total):
@@ -559,7 +561,7 @@ def test_fsdp2_matches_one_process(run: _Run, fsdp_reference: dict) -> None:
     # The NaN step was skipped on both ranks (by the single process too): nothing is NaN.
     assert all(torch.isfinite(t).all() for t in res["end"].values())
     # Against the default single process (flat engine): rounding of its padded stacks.
-    engine = _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, batched=True)
+    engine = _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, implementation="engine")
     diffs = _worst(ref["start"], res["end"], engine["end"])
     too_far = {
         n: d
@@ -573,7 +575,7 @@ def test_fsdp2_other_options_on_a_2d_mesh(run: _Run) -> None:
     """Magma off, standard Newton–Schulz, "flat" views, HSDP placements: the loop's result, bitwise."""
     res = run.result("fsdp2", 0)
     assert res["other_placements"] == "(Replicate(), Shard(dim=0))"
-    ref = _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, batched=False, **OTHER_OPTIONS)
+    ref = _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, implementation="loop", **OTHER_OPTIONS)
     _assert_exact(res["other_end"], ref["end"])
     _assert_exact(res["other_end"], run.result("fsdp2", 1)["other_end"])
 

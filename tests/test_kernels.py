@@ -1,63 +1,25 @@
-"""The Triton kernels (the ``kernels`` package) against the reference functions and the per-tensor loop.
+"""The Triton kernels (the ``kernels`` package) against the reference functions.
 
 With a GPU they run compiled on CUDA. Without one they run under Triton's CPU interpreter,
 which must be switched on (``TRITON_INTERPRET=1``) before Triton is first imported: the
-last test re-runs this module in a subprocess with it set. Two shortcomings of Triton 3.6's
-interpreter are worked around, in the tests only:
-
-* it converts a loaded scalar used as a loop bound with ``int()`` of a one-element array,
-  which NumPy >= 2.4 rejects: the conversion is patched to take the element;
-* it multiplies bfloat16 matrices wrongly (NumPy has no bfloat16): the standard
-  iteration's workspace is float16 under the interpreter. The Gram iteration is float16
-  anyway, so its arithmetic is the production one.
+last test re-runs this module in a subprocess with it set (the ``kernels`` fixture of
+conftest.py, which also works around two shortcomings of the interpreter). The flat
+engine with these kernels is checked against the loop in ``test_parity.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_interpreted
 
-from deepmd_hybridmuon import HybridMuonOptimizer
 from deepmd_hybridmuon import functional as F
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    """``deepmd_hybridmuon.kernels``, compiled (GPU) or interpreted (CPU); and the device."""
-    pytest.importorskip("triton")
-    if CUDA:
-        from deepmd_hybridmuon import kernels as K
-
-        mp = pytest.MonkeyPatch()
-        mp.setattr(K, "registry", K.KernelRegistry(background=False))  # the kernels from the first step on
-        yield K, torch.device("cuda")
-        mp.undo()
-        return
-    if not INTERPRET:
-        pytest.skip("no GPU: test_kernels_under_the_interpreter runs this module interpreted")
-    import triton.runtime.interpreter as interpreter
-
-    from deepmd_hybridmuon import kernels as K
-
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(interpreter, "_patch_lang_tensor", patch)
-    mp.setattr(K, "STANDARD_WORK_DTYPE", torch.float16)
-    yield K, torch.device("cpu")
-    mp.undo()
 
 
 # (rows, cols): wide, tall, square, a single row; with a 128 x 72 matrix (the largest
@@ -399,147 +361,6 @@ def test_momentum_kernel_matches_the_reference(kernels, dtype):
             assert torch.equal(grad, torch.zeros_like(grad))  # sanitised in place
 
 
-PARAMS = {
-    "emb.layers.1.matrix": (25, 50),
-    "emb.layers.2.matrix": (50, 40),
-    "emb.layers.2.bias": (40,),
-    "fit.layers.1.matrix": (24, 24),
-    "fit.layers.2.matrix": (24, 1),
-    "rep.linear.weight": (3, 16, 20),
-    "fit.long.matrix": (40, 300),  # too long to stay in registers: panels (Gram) or streamed
-    # smaller side above MAX_ROWS: two phased groups (Gram and standard) in the same step
-    "big.matrix": (160, 136),
-    "big.square": (144, 144),
-    # smaller side above MAX_PHASED_ROWS: a torch bucket (cuBLAS is faster there), in the same step
-    "huge.matrix": (264, 270),
-}
-
-
-def _train(device, batched, dtype=torch.float32, steps=3, **options):
-    gen = torch.Generator().manual_seed(0)
-    params = {k: torch.nn.Parameter(torch.randn(s, generator=gen, dtype=dtype).to(device)) for k, s in PARAMS.items()}
-    opt = HybridMuonOptimizer(
-        list(params.values()), lr=1e-2, named_parameters=params.items(), batched=batched, **options
-    )
-    start = {k: p.detach().clone() for k, p in params.items()}
-    for _ in range(steps):
-        for p in params.values():
-            p.grad = torch.randn(p.shape, generator=gen, dtype=dtype).to(device)
-        opt.step()
-    return {k: p.detach() - start[k] for k, p in params.items()}, opt
-
-
-@pytest.mark.parametrize(
-    ("enable_gram", "magma_muon", "dtype", "graph"),
-    [
-        (True, True, torch.float32, False),
-        (False, False, torch.float32, False),
-        (True, False, torch.float64, False),
-        # captured (after two eager steps): Triton launches and the phased groups on side streams
-        pytest.param(True, True, torch.float32, True, marks=pytest.mark.skipif(not CUDA, reason="CUDA graphs")),
-        pytest.param(False, True, torch.float64, True, marks=pytest.mark.skipif(not CUDA, reason="CUDA graphs")),
-    ],
-)
-def test_engine_with_kernels_matches_the_loop(kernels, enable_gram, magma_muon, dtype, graph):
-    _, device = kernels
-    options = {"enable_gram": enable_gram, "magma_muon": magma_muon, "cuda_graph": graph}
-    steps = 5 if graph else 3
-    fast, opt = _train(device, True, dtype, steps, **options)
-    ref, _ = _train(device, False, dtype, steps, **options)
-    engine = opt._engines[0]
-    assert engine.fused_paths, "the Triton path did not run"
-    assert any(f.panelled for f in engine.fused_paths) == enable_gram
-    assert {g.use_gram for g in engine.phased_paths} == {enable_gram, False}, "sides > MAX_ROWS: not phased"
-    assert [(m[2], m[3]) for b in engine.buckets for m in b.members] == [(264, 270)], "side > MAX_PHASED_ROWS"
-    assert (engine.graph is not None) == graph
-    for name, r in ref.items():
-        err = ((fast[name] - r).norm() / r.norm()).item()
-        # Same bound and reason as the Newton-Schulz kernel test above.
-        assert err < 3e-2, (name, err)
-
-
-def test_engine_reads_non_contiguous_gradients(kernels):
-    """The gather kernel reads gradients in place; a non-contiguous one is copied first."""
-    _, device = kernels
-    gen = torch.Generator().manual_seed(6)
-    steps = []
-    for batched in (True, False):
-        w = torch.nn.Parameter(torch.randn(24, 40, generator=gen).to(device))
-        b = torch.nn.Parameter(torch.randn(40, generator=gen).to(device))
-        opt = HybridMuonOptimizer([w, b], lr=1e-2, named_parameters=[("w", w), ("b", b)], batched=batched)
-        start = w.detach().clone()
-        grad_gen = torch.Generator().manual_seed(7)
-        for _ in range(3):
-            w.grad = torch.randn(40, 24, generator=grad_gen).to(device).T  # a transposed view
-            b.grad = torch.randn(40, generator=grad_gen).to(device)
-            opt.step()
-        steps.append(w.detach() - start)
-        if batched:
-            assert opt._engines[0].triton
-    err = ((steps[0] - steps[1]).norm() / steps[1].norm()).item()
-    assert err < 3e-2, err  # same bound and reason as the Newton-Schulz kernel test
-
-
-def test_engine_with_kernels_decays_each_route_as_the_loop(kernels):
-    """The update kernel's decay table: AdamW parameters, Muon matrices and plain Adam ones each get their own."""
-    _, device = kernels
-    shapes = {"fit.bias": (30,), "desc.adamw_scale": (5, 7), "fit.matrix": (12, 20), "fit.idt": (12,)}
-    moved = []
-    for batched in (True, False):
-        gen = torch.Generator().manual_seed(10)
-        params = {k: torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for k, s in shapes.items()}
-        opt = HybridMuonOptimizer(
-            list(params.values()), lr=1e-2, weight_decay=0.5, named_parameters=params.items(), batched=batched
-        )
-        for _ in range(3):
-            for p in params.values():
-                p.grad = torch.randn(p.shape, generator=gen).to(device)
-            opt.step()
-        if batched:
-            assert opt._engines[0].triton
-        moved.append({k: p.detach().clone() for k, p in params.items()})
-    for name in ("fit.bias", "desc.adamw_scale", "fit.idt"):  # elementwise routes: float32 rounding only
-        torch.testing.assert_close(moved[0][name], moved[1][name], rtol=1e-5, atol=1e-6)
-    err = ((moved[0]["fit.matrix"] - moved[1]["fit.matrix"]).norm() / moved[1]["fit.matrix"].norm()).item()
-    assert err < 1e-2, err  # Newton-Schulz rounding on a 2 % per-step decay (see the kernel test's bound)
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_engine_with_kernels_skips_a_non_finite_step(kernels, bad):
-    """The gradient copy flags the non-finite span; nothing moves: parameters, moments, momentum, Magma."""
-    _, device = kernels
-    _, opt = _train(device, True, steps=2)  # the Triton path (the interpreter on a CPU)
-    assert opt._engines[0].triton
-    params = opt.param_groups[0]["params"]
-    before = [p.detach().clone() for p in params]
-    state = {(i, k): v.clone() for i, p in enumerate(params) for k, v in opt.state[p].items() if torch.is_tensor(v)}
-    gen = torch.Generator().manual_seed(9)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen).to(device)
-    params[3].grad.view(-1)[-1] = bad  # the last element of one Muon matrix
-    opt.step()
-    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
-    after = {(i, k): v for i, p in enumerate(params) for k, v in opt.state[p].items() if torch.is_tensor(v)}
-    assert all(torch.equal(after[key], v) for key, v in state.items())
-
-
-@pytest.mark.skipif(not CUDA, reason="Triton compiles only for a GPU")
-def test_first_steps_take_the_torch_path_while_triton_compiles(kernels, monkeypatch):
-    K, device = kernels
-    monkeypatch.setattr(K, "registry", K.KernelRegistry())  # as in a fresh process
-    _, opt = _train(device, True, torch.float32, steps=1)
-    engine = opt._engines[0]
-    assert engine.compiling is not None and not engine.fused_paths
-    assert engine.compiling.wait(300), "compilation did not finish"
-    gen = torch.Generator().manual_seed(5)
-    for p in opt.param_groups[0]["params"]:
-        p.grad = torch.randn(p.shape, generator=gen).to(device)
-    opt.step()
-    rebuilt = opt._engines[0]
-    assert rebuilt is not engine and rebuilt.compiling is None and rebuilt.fused_paths
-    assert all(torch.isfinite(p).all() for p in opt.param_groups[0]["params"])
-
-
 def test_a_kernel_that_does_not_compile_leaves_the_torch_path(monkeypatch, caplog):
     K = pytest.importorskip("deepmd_hybridmuon.kernels")
     monkeypatch.setattr(K, "registry", K.KernelRegistry(background=False))
@@ -560,9 +381,4 @@ def test_a_kernel_that_does_not_compile_leaves_the_torch_path(monkeypatch, caplo
 
 @pytest.mark.skipif(CUDA or INTERPRET, reason="the kernels run directly here")
 def test_kernels_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not under_the_interpreter"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout, run.stdout[-2000:]  # not everything skipped
+    run_interpreted(__file__, "not under_the_interpreter")

@@ -1,7 +1,4 @@
-"""A step whose gradients hold NaN or inf is skipped: parameters and state keep their values.
-
-deepmd-kit's built-in writes NaN into the parameters (asserted below as the contrast).
-"""
+"""A step whose gradients hold NaN or inf is skipped: parameters and state keep their values."""
 
 from __future__ import annotations
 
@@ -9,16 +6,15 @@ import copy
 
 import pytest
 import torch
-
-from deepmd_hybridmuon import HybridMuonOptimizer
+from conftest import make_optimizer
 
 SHAPES = {"fit.matrix": (12, 8), "fit.sq": (6, 6), "fit.bias": (8,), "desc.adamw_g": (4, 4), "t.w": (2, 3, 5)}
 
 
-def _setup(batched: bool):
+def _setup(implementation: str):
     gen = torch.Generator().manual_seed(0)
     params = {k: torch.nn.Parameter(torch.randn(s, generator=gen)) for k, s in SHAPES.items()}
-    opt = HybridMuonOptimizer(list(params.values()), lr=1e-2, named_parameters=params.items(), batched=batched)
+    opt = make_optimizer(list(params.values()), implementation, lr=1e-2, named_parameters=params.items())
     return params, opt, gen
 
 
@@ -36,10 +32,10 @@ def _tensors(opt):
     }
 
 
-@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("implementation", ["engine", "loop"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_gradient_skips_the_step(batched, bad):
-    params, opt, gen = _setup(batched)
+def test_non_finite_gradient_skips_the_step(implementation, bad):
+    params, opt, gen = _setup(implementation)
     for _ in range(3):  # state exists, the engine (if any) is warm
         _grads(params, gen)
         opt.step()
@@ -61,20 +57,10 @@ def test_non_finite_gradient_skips_the_step(batched, bad):
     assert all(torch.isfinite(p).all() for p in params.values())
 
 
-def test_builtin_writes_nan_into_parameters():
-    from deepmd.pt.optimizer.hybrid_muon import HybridMuonOptimizer as Builtin
-
-    p = torch.nn.Parameter(torch.randn(6, 6))
-    opt = Builtin([p], enable_gram=False)
-    p.grad = torch.full_like(p, float("nan"))
-    opt.step()
-    assert torch.isnan(p).any()
-
-
 def test_engine_and_loop_agree_across_a_skipped_step():
     results = []
-    for batched in (True, False):
-        params, opt, gen = _setup(batched)
+    for implementation in ("engine", "loop"):
+        params, opt, gen = _setup(implementation)
         for i in range(5):
             _grads(params, gen)
             if i == 2:
@@ -82,5 +68,5 @@ def test_engine_and_loop_agree_across_a_skipped_step():
             opt.step()
         results.append(copy.deepcopy({k: p.detach() for k, p in params.items()}))
     for k in SHAPES:
-        # same tolerance as tests/test_flat_engine.py (bf16 rounding of the scale product)
+        # same tolerance as tests/test_parity.py (bf16 rounding of the scale product)
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-2, atol=1e-4, msg=k)

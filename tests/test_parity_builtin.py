@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import clone_named, model_named_parameters, run_steps
+from conftest import clone_named, make_optimizer, model_named_parameters, run_steps
 
 from deepmd_hybridmuon import HybridMuonOptimizer
 from deepmd_hybridmuon import functional as F
@@ -39,7 +39,7 @@ ADAM_RTOL = 1e-6
 #:
 #: 2% leaves a factor of three over the worst (6.2e-3).
 MUON_RTOL = 0.02
-#: Our per-parameter loop (``batched=False``) with enable_gram=False: the same eager
+#: Our per-parameter loop (implementation ``"loop"``) with enable_gram=False: the same eager
 #: bfloat16 kernels on the same matrices, in the same dtypes as the built-in; measured
 #: bitwise (0.0) in all 12 combinations. 1e-6 still catches any change of arithmetic.
 LOOP_MUON_RTOL_STANDARD = 1e-6
@@ -92,9 +92,12 @@ def test_constants_match_builtin() -> None:
     )
 
 
-def _clone_opt(cls, named, **kwargs):
+def _clone_opt(cls, named, implementation: str | None = None, **kwargs):
+    """``cls`` on clones of ``named``; ours runs ``implementation`` (optimizer.IMPLEMENTATIONS) if given."""
     clone = clone_named(named)
     params = [p for _, p in clone]
+    if implementation is not None:
+        return make_optimizer(params, implementation, named_parameters=clone, **kwargs), params
     return cls(params, named_parameters=clone, **kwargs), params
 
 
@@ -130,7 +133,7 @@ def test_parity_with_builtin(
         "magma_muon": magma_muon,
     }
     ours, ours_params = _clone_opt(HybridMuonOptimizer, dpa2_named, **kwargs)
-    loop, loop_params = _clone_opt(HybridMuonOptimizer, dpa2_named, batched=False, **kwargs)
+    loop, loop_params = _clone_opt(HybridMuonOptimizer, dpa2_named, "loop", **kwargs)
     theirs, theirs_params = _clone_opt(Builtin, dpa2_named, **kwargs)
     theirs._gram_orthogonalizer = shared_gram_orthogonalizer
     for opt, params in ((ours, ours_params), (loop, loop_params), (theirs, theirs_params)):
@@ -168,13 +171,13 @@ def test_parity_with_builtin(
 
 @pytest.mark.parametrize("enable_gram", [False, True], ids=["standard", "gram"])
 @pytest.mark.parametrize("magma_muon", [True, False], ids=["magma", "no-magma"])
-def test_batched_matches_reference_loop(dpa2_named, enable_gram: bool, magma_muon: bool) -> None:
+def test_engine_matches_reference_loop(dpa2_named, enable_gram: bool, magma_muon: bool) -> None:
     kwargs = {"lr": LR, "enable_gram": enable_gram, "magma_muon": magma_muon}
-    batched, batched_params = _clone_opt(HybridMuonOptimizer, dpa2_named, **kwargs)
-    loop, loop_params = _clone_opt(HybridMuonOptimizer, dpa2_named, batched=False, **kwargs)
-    assert batched.batched and not loop.batched
-    run_steps(batched, batched_params, range(STEPS))
+    engine, engine_params = _clone_opt(HybridMuonOptimizer, dpa2_named, "engine", **kwargs)
+    loop, loop_params = _clone_opt(HybridMuonOptimizer, dpa2_named, "loop", **kwargs)
+    run_steps(engine, engine_params, range(STEPS))
     run_steps(loop, loop_params, range(STEPS))
+    assert [row["implementation"] for row in (*engine.execution_table(), *loop.execution_table())] == ["engine", "loop"]
 
     # DPA-2-small has several Muon matrices of one shape ((4, 8), (24, 8) and (8, 8),
     # three each) and several short sides, so stacking and padding are exercised.
@@ -183,21 +186,21 @@ def test_batched_matches_reference_loop(dpa2_named, enable_gram: bool, magma_muo
     assert max(shapes.count(s) for s in set(shapes)) >= 2
 
     routes = {name: F.route_parameter(name, p.shape, "slice").route for name, p in dpa2_named}
-    for (name, p0), a in zip(dpa2_named, batched_params, strict=True):
+    for (name, p0), a in zip(dpa2_named, engine_params, strict=True):
         if p0.numel():
             assert not torch.equal(a, p0), name
     _check_changes(
         dpa2_named,
         routes,
-        (batched_params, loop_params),
+        (engine_params, loop_params),
         lambda r: ENGINE_VS_LOOP_RTOL if r == "muon" else ADAM_RTOL,
     )
     # The state does not depend on the orthogonalisation at all (momentum, moments and
     # Magma scores see only gradients), so it agrees much more tightly than the parameters.
-    for (name, p0), a, b in zip(dpa2_named, batched_params, loop_params, strict=True):
+    for (name, p0), a, b in zip(dpa2_named, engine_params, loop_params, strict=True):
         if p0.numel() == 0:
             continue
-        sa, sb = batched.state[a], loop.state[b]
+        sa, sb = engine.state[a], loop.state[b]
         assert set(sa) == set(sb), name
         for key, value in sa.items():
             if not isinstance(value, torch.Tensor):
@@ -212,11 +215,11 @@ def test_batched_matches_reference_loop(dpa2_named, enable_gram: bool, magma_muo
 
 
 def test_engine_magma_scores_with_disparate_gradient_scales() -> None:
-    def magma_score(batched: bool) -> torch.Tensor:
+    def magma_score(implementation: str) -> torch.Tensor:
         gen = torch.Generator().manual_seed(0)
         big = torch.nn.Parameter(torch.randn(256, 256, generator=gen))
         small = torch.nn.Parameter(torch.randn(4, 4, generator=gen))
-        opt = HybridMuonOptimizer([big, small], lr=LR, batched=batched, enable_gram=False)
+        opt = make_optimizer([big, small], implementation, lr=LR, enable_gram=False)
         for _ in range(3):
             big.grad = torch.randn(256, 256, generator=gen)
             small.grad = 1e-6 * torch.randn(4, 4, generator=gen)
@@ -225,4 +228,4 @@ def test_engine_magma_scores_with_disparate_gradient_scales() -> None:
 
     # The score depends only on the cosine of momentum and gradient, which is scale-free;
     # float32 cosines: 1e-5. Measured: engine 0.5708, loop 0.6053.
-    torch.testing.assert_close(magma_score(True), magma_score(False), rtol=0, atol=1e-5)
+    torch.testing.assert_close(magma_score("engine"), magma_score("loop"), rtol=0, atol=1e-5)

@@ -6,7 +6,15 @@ import io
 
 import pytest
 import torch
-from conftest import build_model, clone_named, model_named_parameters, run_steps, seeded_grads, set_grads
+from conftest import (
+    build_model,
+    clone_named,
+    make_optimizer,
+    model_named_parameters,
+    run_steps,
+    seeded_grads,
+    set_grads,
+)
 from test_parity_builtin import ADAM_RTOL, ENGINE_VS_LOOP_RTOL, MUON_RTOL
 
 from deepmd_hybridmuon import HybridMuonOptimizer, kernels
@@ -112,8 +120,8 @@ def _snapshot(opt: torch.optim.Optimizer) -> dict:
 
 
 @pytest.mark.parametrize("precision", ["float32", "float64"])
-@pytest.mark.parametrize("batched", [True, False], ids=["engine", "loop"])
-def test_resume_is_bitwise(precision: str, batched: bool) -> None:
+@pytest.mark.parametrize("implementation", ["engine", "loop"])
+def test_resume_is_bitwise(precision: str, implementation: str) -> None:
     """k steps, checkpoint, fresh model + optimizer, n steps == k + n steps in one run (torch.equal)."""
     k, n = 3, 4
     dtype = {"float32": torch.float32, "float64": torch.float64}[precision]
@@ -122,7 +130,7 @@ def test_resume_is_bitwise(precision: str, batched: bool) -> None:
         model = build_model("dpa2", precision)
         named = list(model.named_parameters())
         assert all(p.dtype == dtype for _, p in named)
-        return model, named, HybridMuonOptimizer(_params(named), lr=1e-3, named_parameters=named, batched=batched)
+        return model, named, make_optimizer(_params(named), implementation, lr=1e-3, named_parameters=named)
 
     # On CUDA the Triton kernels compile in the background while the torch path steps
     # (kernels.prepare): let them finish first, so that all three runs take the same path.
@@ -167,29 +175,6 @@ def test_resume_is_bitwise(precision: str, batched: bool) -> None:
                 assert value == state_c[idx][key], (named_a[idx][0], key)
 
 
-def test_builtin_float64_resume_fails() -> None:
-    """Demonstrates the fix: deepmd-kit 3.2.0's optimizer cannot resume a float64 model.
-
-    torch's ``load_state_dict`` casts ``exp_avg`` / ``exp_avg_sq`` to float64 while the
-    built-in feeds float32 gradients to ``torch._foreach_lerp_``. Skipped (not failed) if
-    a later deepmd-kit resumes fine.
-    """
-    from deepmd.pt.optimizer.hybrid_muon import HybridMuonOptimizer as Builtin
-
-    named = clone_named(list(build_model("dpa2", "float64").named_parameters()))
-    opt = Builtin(_params(named), lr=1e-3, named_parameters=named, enable_gram=False)
-    run_steps(opt, _params(named), range(2))
-    resumed_named = clone_named(named)
-    resumed = Builtin(_params(resumed_named), lr=1e-3, named_parameters=resumed_named, enable_gram=False)
-    resumed.load_state_dict(opt.state_dict())
-    try:
-        run_steps(resumed, _params(resumed_named), range(2, 3))
-    except RuntimeError as exc:
-        assert "dtype" in str(exc)
-    else:
-        pytest.skip("this deepmd-kit resumes float64 models")
-
-
 # ----------------------------------------------------------------------------- param groups
 
 
@@ -221,26 +206,6 @@ def test_add_param_group_after_first_step() -> None:
     assert all(p in opt.state for p in _params(second) if p.numel())
 
 
-def test_builtin_add_param_group_after_step_fails() -> None:
-    """Demonstrates the fix: the built-in builds its routing once, so a new group raises IndexError."""
-    from deepmd.pt.optimizer.hybrid_muon import HybridMuonOptimizer as Builtin
-
-    gen = torch.Generator().manual_seed(0)
-    w1 = torch.nn.Parameter(torch.randn(4, 3, generator=gen))
-    w2 = torch.nn.Parameter(torch.randn(4, 3, generator=gen))
-    opt = Builtin([w1], enable_gram=False)
-    w1.grad = torch.randn(4, 3, generator=gen)
-    opt.step()
-    opt.add_param_group({"params": [w2]})
-    w2.grad = torch.randn(4, 3, generator=gen)
-    try:
-        opt.step()
-    except IndexError:
-        pass
-    else:
-        pytest.skip("this deepmd-kit supports add_param_group after a step")
-
-
 def test_add_param_group_after_load_state_dict() -> None:
     named = clone_named(model_named_parameters("dpa3"))
     first, second = named[:10], named[10:]
@@ -255,7 +220,7 @@ def test_add_param_group_after_load_state_dict() -> None:
 # ----------------------------------------------------------------------------- parameters without a step
 
 
-def _awkward_setup(batched: bool, freeze: bool):
+def _awkward_setup(implementation: str, freeze: bool):
     """DPA-2 (float32): size-0 parameters, optionally frozen ones, and two late starters.
 
     The late starters (a Muon matrix and an Adam bias) have no gradient on steps 0 and 1.
@@ -273,7 +238,7 @@ def _awkward_setup(batched: bool, freeze: bool):
         next(n for n in names if n.endswith("linear1.matrix")),
         next(n for n in names if n.endswith("linear1.bias")),
     }
-    opt = HybridMuonOptimizer(_params(named), lr=1e-3, named_parameters=named, batched=batched)
+    opt = make_optimizer(_params(named), implementation, lr=1e-3, named_parameters=named)
     return named, frozen, late, opt
 
 
@@ -288,9 +253,9 @@ def _awkward_steps(named, late: set[str], opt, steps: range) -> None:
 
 
 @pytest.mark.parametrize("freeze", [True, False], ids=["frozen", "all-trainable"])
-@pytest.mark.parametrize("batched", [True, False], ids=["engine", "loop"])
-def test_size0_frozen_and_gradless_parameters_are_skipped(batched: bool, freeze: bool) -> None:
-    named, frozen, late, opt = _awkward_setup(batched, freeze)
+@pytest.mark.parametrize("implementation", ["engine", "loop"])
+def test_size0_frozen_and_gradless_parameters_are_skipped(implementation: str, freeze: bool) -> None:
+    named, frozen, late, opt = _awkward_setup(implementation, freeze)
     start = [p.detach().clone() for _, p in named]
     sizes0 = {n for n, p in named if p.numel() == 0}
     assert sizes0 and late and (bool(frozen) == freeze)
@@ -320,9 +285,9 @@ def test_size0_frozen_and_gradless_parameters_are_skipped(batched: bool, freeze:
     other_bias = next(p for n, p in named if n.endswith(".bias") and n not in late | frozen)
     assert opt.state[late_bias]["beta1_pow"] == pytest.approx(0.9**3, rel=1e-12)
     assert opt.state[other_bias]["beta1_pow"] == pytest.approx(0.9**5, rel=1e-12)
-    # White-box: the default engine ran (parameters without a gradient are left out of it;
-    # steps in which Adam parameters are at different step counts go to the loop).
-    assert bool(opt._engines) == batched
+    # The engine was built (parameters without a gradient are left out of it; steps in which
+    # Adam parameters are at different step counts go to the loop).
+    assert opt.execution_table()[0]["implementation"] == implementation
 
 
 def test_engine_and_loop_agree_with_awkward_parameters() -> None:
@@ -330,8 +295,8 @@ def test_engine_and_loop_agree_with_awkward_parameters() -> None:
     # steps with Adam parameters at different step counts to the loop; the
     # trajectory must still match the loop within the engine-vs-loop tolerance of
     # test_parity_builtin.
-    named_e, _, late, opt_e = _awkward_setup(batched=True, freeze=False)
-    named_l, _, _, opt_l = _awkward_setup(batched=False, freeze=False)
+    named_e, _, late, opt_e = _awkward_setup("engine", freeze=False)
+    named_l, _, _, opt_l = _awkward_setup("loop", freeze=False)
     start = clone_named(named_e)
     _awkward_steps(named_e, late, opt_e, range(5))
     _awkward_steps(named_l, late, opt_l, range(5))

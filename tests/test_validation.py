@@ -9,6 +9,8 @@ import sys
 
 import pytest
 import torch
+from conftest import make_optimizer
+from test_parity import TORCH_MUON_TOL
 
 from deepmd_hybridmuon import HybridMuonOptimizer
 
@@ -66,7 +68,6 @@ BAD_ARGUMENTS = [
     ({"flash_muon": 1}, f"Invalid flash_muon: 1; {BOOL}"),
     ({"flash_muon": None}, f"Invalid flash_muon: None; {BOOL}"),
     ({"nonfinite_across_ranks": "yes"}, f"Invalid nonfinite_across_ranks: 'yes'; {BOOL}"),
-    ({"cuda_graph": 1}, f"Invalid cuda_graph: 1; {BOOL}"),
 ]
 
 
@@ -85,7 +86,7 @@ def test_bad_constructor_argument(kwargs: dict, message: str) -> None:
 
 
 #: The group-level hyperparameters (the other flags are optimizer-level).
-OPTIMIZER_FLAGS = ("flash_muon", "nonfinite_across_ranks", "cuda_graph")
+OPTIMIZER_FLAGS = ("flash_muon", "nonfinite_across_ranks")
 BAD_GROUP_VALUES = [(kw, msg) for kw, msg in BAD_ARGUMENTS if not set(kw) & set(OPTIMIZER_FLAGS)]
 
 
@@ -124,22 +125,35 @@ def test_unknown_param_group_keys(extra: dict, unknown: str) -> None:
 def test_optimizer_level_keys_in_a_group_are_dropped() -> None:
     # ZeroRedundancyOptimizer copies every constructor keyword (deepmd's trainer passes
     # flash_muon and use_foreach) into the groups it hands to the local optimizer.
-    opt = HybridMuonOptimizer([{"params": [_param()], "flash_muon": True, "use_foreach": None, "cuda_graph": False}])
+    group = {"params": [_param()], "flash_muon": True, "use_foreach": None, "nonfinite_across_ranks": False}
+    opt = HybridMuonOptimizer([group])
     from deepmd_hybridmuon.optimizer import GROUP_KEYS
 
     assert set(opt.param_groups[0]) == {"params", *GROUP_KEYS}
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"batched": 1}, f"Invalid batched: 1; {BOOL}"),
-        ({"use_foreach": "yes"}, "Invalid use_foreach: 'yes'; expected true, false or None"),
-    ],
-)
-def test_bad_optimizer_flag(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        HybridMuonOptimizer([_param()], **kwargs)
+def test_bad_use_foreach() -> None:
+    with pytest.raises(ValueError, match=r"^Invalid use_foreach: 'yes'; expected true, false or None$"):
+        HybridMuonOptimizer([_param()], use_foreach="yes")
+
+
+@pytest.mark.parametrize("key", ["batched", "cuda_graph"])
+def test_implementation_switches_are_no_options(key: str) -> None:
+    # Which implementation runs is chosen inside the optimizer (optimizer.IMPLEMENTATIONS).
+    with pytest.raises(TypeError, match=key):
+        HybridMuonOptimizer([_param()], **{key: False})
+
+
+def test_use_foreach_is_accepted_and_ignored() -> None:
+    moved = []
+    for use_foreach in (None, True, False):
+        p = torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
+        opt = HybridMuonOptimizer([p], use_foreach=use_foreach)
+        for step in range(2):
+            p.grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(step + 1))
+            opt.step()
+        moved.append(p.detach())
+    assert torch.equal(moved[0], moved[1]) and torch.equal(moved[0], moved[2])
 
 
 @pytest.mark.parametrize(
@@ -164,14 +178,23 @@ def test_bad_optimizer_flag(kwargs: dict, message: str) -> None:
     ],
 )
 def test_good_arguments_are_accepted(kwargs: dict, check) -> None:
-    p = _param()
-    opt = HybridMuonOptimizer([p], **kwargs)
-    if check is not None:
-        key, value = check
-        assert opt.param_groups[0][key] == value
-    p.grad = torch.ones_like(p)
-    opt.step()
-    assert torch.isfinite(p).all()
+    moved = {}
+    for implementation in ("engine", "loop"):
+        p = torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))
+        start = p.detach().clone()
+        opt = make_optimizer([p], implementation, **kwargs)
+        if check is not None:
+            key, value = check
+            assert opt.param_groups[0][key] == value
+        p.grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+        opt.step()
+        moved[implementation] = p.detach() - start
+    # The accepted value takes effect, the same in both implementations (tolerance: tests/test_parity.py).
+    ref = moved["loop"]
+    if float(opt.param_groups[0]["lr"]) == 0.0:
+        assert torch.equal(ref, torch.zeros_like(ref)) and torch.equal(moved["engine"], ref)
+    else:
+        assert ((moved["engine"] - ref).norm() / ref.norm()).item() < TORCH_MUON_TOL
 
 
 def test_scheduler_keys_are_allowed() -> None:
@@ -195,19 +218,3 @@ def test_import_has_no_side_effects() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-
-
-def test_builtin_import_does_change_dynamo_limit() -> None:
-    # The check above can fail: deepmd-kit's own optimizer module raises the limit to 64
-    # at import (torch's default is 8).
-    code = (
-        "import torch._dynamo.config as c; before = c.cache_size_limit; "
-        "import deepmd.pt.optimizer.hybrid_muon; print(before, c.cache_size_limit)"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    before, after = map(int, result.stdout.split()[-2:])
-    assert after == max(before, 64)
-    if before >= 64:
-        pytest.skip("torch's default cache_size_limit is already >= 64")
-    assert after != before

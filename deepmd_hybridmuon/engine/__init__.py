@@ -1,0 +1,34 @@
+"""The flat engine: the per-parameter loop's step, in a fixed set of batched kernels.
+
+DeePMD models have many small matrices, so a per-tensor step is bound by kernel
+launches, not arithmetic. The engine runs the step of a whole param_group on a few flat
+buffers, one job per module:
+
+* :mod:`.layout` (data only): which parameter goes where. Flat gradient, update and
+  state buffers (the optimizer's per-parameter state entries are views of them, in the
+  built-in layout); every Muon matrix assigned to a path: one Triton program per matrix,
+  phased Triton tiles, or a zero-padded stack of the torch path; their device tables.
+* :mod:`.batched` (arithmetic only): one step on those buffers, reading nothing that
+  changes between steps but a few static input tensors. The math itself comes from
+  :mod:`deepmd_hybridmuon.functional` (torch path) and :mod:`deepmd_hybridmuon.kernels`
+  (Triton path).
+* :mod:`.execution`: stages each step's inputs (pinned host ring, one copy), runs the
+  arithmetic eagerly or as a captured CUDA graph with side streams; its docstring is the
+  contract of that capture.
+* :mod:`.compilation`: the one place that asks whether the Triton kernels can run and
+  requests their compilation.
+* :mod:`.group`: :class:`GroupEngine`, the three above for one param_group, as the
+  optimizer builds, checks (:meth:`GroupEngine.matches`) and steps it.
+
+The optimizer (:mod:`deepmd_hybridmuon.optimizer`) keeps validation, state and dispatch,
+and its per-parameter loop is the specification every engine path is tested against
+(``tests/test_parity.py``).
+"""
+
+from __future__ import annotations
+
+from .compilation import triton_runs_on
+from .group import GroupEngine, is_dtensor
+from .layout import bucket_key
+
+__all__ = ["GroupEngine", "bucket_key", "is_dtensor", "triton_runs_on"]

@@ -1,0 +1,248 @@
+"""The arithmetic of one flat-engine step, on the buffers of a :class:`~.layout.Layout`.
+
+The step is the per-parameter loop's (``HybridMuonOptimizer._step_group``), batched:
+
+* in: the gradients sit in the flat gradient buffer (the torch path: copied there by
+  :mod:`.execution`; the Triton path: one launch reads them through their addresses and
+  flags each non-finite span) and are checked for non-finite values;
+* Adam/AdamW: a few flat moment/denominator kernels into the update buffer;
+* Muon: momentum and Nesterov update (one kernel with Triton), then per matrix a factor
+  (Muon scale x Magma x -lr) and the orthogonalised update times that factor: the
+  layout's Triton launches, phased groups, and zero-padded torch stacks (zero padding
+  commutes with both Newton–Schulz variants in exact arithmetic: zero rows and columns
+  stay zero, the Gram matrix of the real rows is unchanged; only rounding differs);
+* out: ``p <- p * decay + update`` (a ``_foreach_mul_`` and a ``_foreach_add_``; with the
+  Triton kernels, one launch over a table of the parameters' addresses).
+
+:meth:`BatchedStep.compute` reads only static tensors (the layout's buffers and a
+:class:`StepInputs`), so it can be captured in a CUDA graph; the host part of a step is
+:meth:`BatchedStep.scalars`. Independent chains (each torch bucket, each phased group)
+run inside ``lanes.lane(i)``: eagerly on the current stream; captured, on side streams
+(:mod:`.execution`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .. import functional as F
+from . import compilation
+from .layout import Layout, Phased
+
+__all__ = ["SCALARS", "BatchedStep", "Lanes", "StepInputs"]
+
+#: The step's learning-rate dependent scalars: Muon decay, -lr, AdamW decay, -Adam step size, bias correction 2.
+SCALARS = 5
+
+
+class StepInputs:
+    """The device tensors through which a step's changing inputs reach :meth:`BatchedStep.compute`.
+
+    Allocated once per engine (a captured graph reads them at fixed addresses):
+    ``staged`` is one int64 buffer holding the :data:`SCALARS` float64 scalars (``scalars``)
+    and, with the Triton kernels, the gradients' addresses (``addresses``); ``ok`` is the
+    finite gate agreed across ranks (used with ``nonfinite_across_ranks`` only).
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        size = SCALARS + (len(layout.staged) if layout.triton else 0)
+        self.staged = torch.zeros(size, dtype=torch.int64, device=layout.device)
+        self.scalars = self.staged[:SCALARS].view(torch.float64)
+        self.addresses = self.staged[SCALARS:]
+        self.ok = torch.ones((), dtype=torch.float32, device=layout.device)
+
+
+class Lanes:
+    """Where the independent chains of a step run: here, all in order on the current stream."""
+
+    def lane(self, i: int) -> contextlib.AbstractContextManager:
+        """Context in which chain ``i`` (torch bucket ``i``, then phased group ``i - len(buckets)``) runs."""
+        return contextlib.nullcontext()
+
+    def join(self) -> None:
+        """Make the current stream wait for every lane."""
+
+
+class BatchedStep:
+    """One step of a whole param_group on the flat buffers of ``layout``.
+
+    ``shared_gate``: the finite gate comes in through ``inputs.ok`` (agreed across ranks)
+    instead of being computed from this step's gradients.
+    """
+
+    def __init__(self, layout: Layout, inputs: StepInputs, shared_gate: bool) -> None:
+        self.layout = layout
+        self.inputs = inputs
+        self.shared_gate = shared_gate
+        self.K = compilation.kernels() if layout.triton else None
+
+    # ------------------------------------------------------------------ host
+
+    def scalars(self, group: dict[str, Any]) -> tuple[float, ...]:
+        """The :data:`SCALARS` of this step; advances the Adam parameters' shared bias-correction powers."""
+        L = self.layout
+        lr = float(group["lr"])
+        wd = float(group["weight_decay"])
+        lr_adjust = float(group["lr_adjust"])
+        adam_lr = lr if lr_adjust <= 0 else lr / lr_adjust
+        step_size = bc2 = 1.0
+        if L.adam:
+            beta1, beta2 = L.betas
+            s0 = L.adam_states[0]
+            pow1, pow2 = s0["beta1_pow"] * beta1, s0["beta2_pow"] * beta2
+            for st in L.adam_states:
+                st["beta1_pow"], st["beta2_pow"] = pow1, pow2
+            step_size = adam_lr / (1.0 - pow1)
+            bc2 = 1.0 - pow2
+        return (1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2)
+
+    # ---------------------------------------------------------------- device
+
+    def compute(self, lanes: Lanes | None = None) -> None:
+        """All the arithmetic of the step; reads only the layout's buffers and :attr:`inputs`."""
+        lanes = lanes or Lanes()
+        L = self.layout
+        # ok: 1.0, or 0.0 when a gradient is not finite: the step is then skipped (functional.py).
+        if L.triton:  # the copy in also flags non-finite spans
+            self.K.gather(self.inputs.addresses, L.spans, L.grad, L.span_finite)
+            ok = self.inputs.ok if self.shared_gate else L.span_finite.amin()
+        else:
+            ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.grad])
+        muon_decay, neg_lr, adamw_decay, neg_step, bc2 = self.inputs.scalars.to(L.dtype).unbind(0)
+        # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
+        # Nesterov update exists; captured, it runs on side streams while the main stream does
+        # Adam, the weight decay, Magma and the Triton launches (see _muon_update).
+        pending = self._muon_update(ok, lanes) if L.muon else None
+        muon_decay = F.gate_factor(muon_decay, ok, L.dtype)
+        adamw_decay = F.gate_factor(adamw_decay, ok, L.dtype)
+        if L.adam:
+            self._adam(neg_step.float() * ok, bc2.float(), ok)
+        if pending is not None:
+            self._muon(neg_lr * ok.to(L.dtype), ok, *pending, lanes)
+        self._apply(muon_decay, adamw_decay)
+
+    def _apply(self, muon_decay: torch.Tensor, adamw_decay: torch.Tensor) -> None:
+        """p <- p * decay + delta for every parameter (decay: Muon's, AdamW's, or none for Adam)."""
+        L = self.layout
+        if L.triton:  # one pass
+            decays = torch.stack([torch.ones_like(muon_decay), muon_decay, adamw_decay])
+            self.K.apply_updates(L.param_addresses, L.spans, L.delta, decays)
+            return
+        if L.weight_decay:
+            if L.adamw:
+                torch._foreach_mul_(L.adamw, adamw_decay)
+            if L.muon:
+                torch._foreach_mul_([p for p, _ in L.muon], muon_decay)
+        torch._foreach_add_(L.staged, L.delta_views)
+
+    def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor, ok: torch.Tensor) -> None:
+        L = self.layout
+        beta1, beta2 = L.betas
+        grads = F.sanitize(L.adam_grad.to(torch.float32), ok)
+        L.exp_avg.lerp_(grads, ok * (1.0 - beta1))
+        L.exp_avg_sq.lerp_(grads * grads, ok * (1.0 - beta2))
+        denom = (L.exp_avg_sq / bc2).sqrt_().add_(F.ADAM_EPS)
+        torch.div(L.exp_avg, denom, out=denom)
+        L.adam_delta.copy_(denom.mul_(neg_step))
+
+    def _muon_update(self, ok: torch.Tensor, lanes: Lanes) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Momentum and Nesterov update of every Muon matrix; starts the torch buckets on it.
+
+        Returns the sanitised gradients, the update and the buckets' orthogonalised stacks
+        (unscaled; still being computed on the side streams when captured).
+        """
+        L = self.layout
+        if L.triton:  # one pass; muon_grad is sanitised in place
+            grads, update = L.muon_grad, L.update
+            self.K.momentum_update(grads, L.momentum, update, ok, L.betas_t)
+        else:
+            grads = F.sanitize(L.muon_grad, ok)
+            L.momentum.lerp_(grads, ok.to(L.dtype) * (1.0 - L.beta))
+            update = torch.lerp(grads, L.momentum, L.beta)
+        stacks = []
+        for i, b in enumerate(L.buckets):
+            with lanes.lane(i):
+                for off, bs, rows, cols, tall, part in b.inputs:
+                    view = update[off : off + bs * rows * cols].view(bs, rows, cols)
+                    part.copy_(view.mT if tall else view)
+                stacks.append(F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack))
+        for j, g in enumerate(L.phased_paths):
+            with lanes.lane(len(L.buckets) + j):
+                self._phased(g, update, L.block_factor, last=False)
+        return grads, update, stacks
+
+    def _phased(self, g: Phased, update: torch.Tensor, factor: torch.Tensor, last: bool) -> None:
+        """All phases of ``g`` but the last (``last`` False), or the last one (the output)."""
+        n = self.K.phase_count(g.use_gram)
+        self.K.orthogonalize_phased(
+            update, self.layout.muon_delta, g.work, g.meta, g.shape, g.partial, g.coefs, factor,
+            g.counter, g.programs, g.use_gram, first=n - 1 if last else 0, stop=n if last else n - 1,
+        )  # fmt: skip
+
+    def _muon(
+        self,
+        neg_lr: torch.Tensor,
+        ok: torch.Tensor,
+        grads: torch.Tensor,
+        update: torch.Tensor,
+        stacks: list[torch.Tensor],
+        lanes: Lanes,
+    ) -> None:
+        L, K = self.layout, self.K
+        factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
+        if L.magma_kernel:
+            K.magma_factors(
+                L.momentum,
+                grads,
+                L.magma_bounds,
+                L.magma_first,
+                L.magma_partial,
+                L.block_scale,
+                L.scores,
+                factor,
+                neg_lr,
+                ok,
+            )
+        elif L.magma:
+            # Per-block sums of m*g, m*m, g*g: scattered into the zero-padded layout of the
+            # Newton-Schulz stacks (one row per block) and summed per row: deterministic, and
+            # each block is summed on its own, whatever the scale of the other blocks.
+            m, g = L.momentum.to(torch.float32), grads.to(torch.float32)
+            products = torch.stack([m * g, m * m, g * g])
+            sums = torch.empty(3, L.block_scale.numel(), dtype=torch.float32, device=L.device)
+            for b in L.buckets:
+                padded = torch.zeros(3, b.stack.numel(), dtype=torch.float32, device=L.device)
+                padded.index_copy_(1, b.dst, products.index_select(1, b.src))
+                sums.index_copy_(1, b.block_ids, padded.view(3, b.batch, -1).sum(-1))
+            dot, mm, gg = sums
+            raw = F.magma_score(dot, mm.sqrt(), gg.sqrt())
+            torch.mul(L.block_scale * F.magma_scale_(L.scores, raw, ok), neg_lr.float(), out=factor)
+        else:
+            torch.mul(L.block_scale, neg_lr.float(), out=factor)
+
+        # Each bucket's stack, scaled by its blocks' factors, goes back into muon_delta on its
+        # lane once the factors exist; the Triton launches (main stream) read `update` and
+        # `factor` and write the other parts of muon_delta.
+        for i, (b, out) in enumerate(zip(L.buckets, stacks, strict=True)):
+            with lanes.lane(i):
+                scale = factor.index_select(0, b.block_ids).to(L.dtype).view(-1, 1, 1)
+                for boff, bs, delta in b.outputs:
+                    part = out[boff : boff + bs, : delta.size(1), : delta.size(2)]
+                    torch.mul(part, scale[boff : boff + bs], out=delta)
+        for j, g in enumerate(L.phased_paths):
+            with lanes.lane(len(L.buckets) + j):
+                self._phased(g, update, factor, last=True)
+        for f in L.fused_paths:
+            if f.panelled:
+                K.orthogonalize_panels(
+                    update, L.muon_delta, f.work, f.table, f.panels, f.first, f.partial, f.q, f.inv, f.coefs,
+                    factor, f.rows,
+                )  # fmt: skip
+            else:
+                K.orthogonalize_blocks(
+                    update, L.muon_delta, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram
+                )
+        lanes.join()

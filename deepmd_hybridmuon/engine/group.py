@@ -1,0 +1,147 @@
+"""The flat engine of one param_group: a layout, its batched step, and the executor that runs it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import functional as F
+from . import compilation
+from .batched import BatchedStep, StepInputs
+from .execution import Executor
+from .layout import Layout, kernel_paths
+
+__all__ = ["GroupEngine", "is_dtensor"]
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2-sharded tensor)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+class GroupEngine:
+    """The flat engine of one param_group, built by the optimizer.
+
+    Parameters
+    ----------
+    group
+        The param_group. Parameters without a gradient (or empty) are left out; the engine
+        holds as long as :meth:`matches` says so.
+    routes
+        The route of every parameter of ``group["params"]``, in order.
+    state
+        The optimizer's state (its entries become views of the engine's flat buffers).
+    signature
+        What the optimizer built this engine from (its own versions and options); kept as
+        :attr:`signature`, for the optimizer to compare.
+    flash_muon
+        Use the Triton kernels where they run (:func:`.compilation.triton_runs_on`).
+    shared_gate
+        The finite gate comes in through :meth:`step`'s ``shared`` (``nonfinite_across_ranks``).
+    cuda_graph
+        On CUDA, capture the arithmetic in a CUDA graph and replay it (:mod:`.execution`).
+    """
+
+    def __init__(
+        self,
+        group: dict[str, Any],
+        routes: list[F.ParamRoute],
+        state: dict,
+        *,
+        signature: Any,
+        flash_muon: bool,
+        shared_gate: bool,
+        cuda_graph: bool,
+    ) -> None:
+        self.signature = signature
+        self.group_params = list(group["params"])
+        active = [(p, r) for p, r in zip(self.group_params, routes, strict=True) if p.numel() > 0]
+        self.gradless = [p for p, _ in active if p.grad is None]
+        active = [(p, r) for p, r in active if p.grad is not None]
+        params, active_routes = [p for p, _ in active], [r for _, r in active]
+        kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon)
+        self.layout = Layout(params, active_routes, state, group, kernels)
+        self.shared_gate = shared_gate
+        self.batched = BatchedStep(self.layout, StepInputs(self.layout), shared_gate)
+        self.executor = Executor(self.batched, cuda_graph)
+
+    @staticmethod
+    def _kernels(
+        group: dict[str, Any], params: list[torch.Tensor], routes: list[F.ParamRoute], flash_muon: bool
+    ) -> tuple[Any, Any]:
+        """The kernels module if every launch of the layout is compiled, and the pending compilation if not.
+
+        Until Triton has compiled the launches of the layout (in the background) every
+        matrix takes the torch path; the engine is then :attr:`outdated` once they are ready.
+        """
+        device, dtype = params[0].device, params[0].dtype
+        if not (flash_muon and compilation.triton_runs_on(device)):
+            return None, None
+        K = compilation.kernels()
+        views = [r.view for r in routes if r.route == "muon"]
+        paths = kernel_paths(views, K, bool(group["enable_gram"]), device)
+        ready = compilation.request(device, dtype, paths, bool(group["magma_muon"]))
+        if ready is None or not ready.is_set():  # compiling, or a kernel failed to compile
+            return None, ready
+        return K, None
+
+    @staticmethod
+    def supports(group: dict[str, Any]) -> bool:
+        """Whether the flat engine can run this group (one dtype and device, floating point)."""
+        params = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
+        if not params:
+            return False
+        first = params[0]
+        if any(is_dtensor(p) for p in params):
+            return False  # FSDP2 shards: the loop handles them
+        return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
+
+    def matches(self, group: dict[str, Any]) -> bool:
+        """The same parameters as at build, with gradients on exactly the same ones (no side effect)."""
+        params = group["params"]
+        if len(params) != len(self.group_params) or any(
+            a is not b for a, b in zip(params, self.group_params, strict=True)
+        ):
+            return False
+        return all(p.grad is not None for p in self.layout.staged) and all(p.grad is None for p in self.gradless)
+
+    @property
+    def outdated(self) -> bool:
+        """Built with the torch path while Triton compiled, and the kernels are ready now."""
+        return self.compiling is not None and self.compiling.is_set()
+
+    def step(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> bool:
+        """One step of the whole group, as the loop's ``_step_group(group, shared)``; ``False``: not done.
+
+        The engine shares one pair of Adam bias corrections; when Adam parameters are at
+        different step counts (some once had no gradient) it does nothing and returns
+        ``False``, for the loop to take the step. ``shared`` is the finite gate agreed
+        across ranks (``nonfinite_across_ranks``), else ``None``.
+        """
+        if not self.layout.adam_uniform:
+            return False
+        if self.shared_gate and shared is None:
+            raise RuntimeError("the flat engine was built with a shared finite gate; step() got none")
+        grads = [p.grad for p in self.layout.staged]
+        self.executor.stage(self.batched.scalars(group), grads, shared if self.shared_gate else None)
+        self.executor.run()
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        """How this engine runs its group (see ``HybridMuonOptimizer.execution_table``)."""
+        L = self.layout
+        kernels = "triton" if L.triton else ("compiling" if self.compiling is not None else "torch")
+        return {
+            "implementation": "engine",
+            "kernels": kernels,
+            "cuda_graph": self.executor.captured,
+            "program_matrices": sum(len(f.meta) for f in L.fused_paths),
+            "panelled": any(f.panelled for f in L.fused_paths),
+            "phased": sorted((g.use_gram, g.shape) for g in L.phased_paths),
+            "torch_matrices": [(rows, cols) for b in L.buckets for _, _, rows, cols, _, _ in b.members],
+        }

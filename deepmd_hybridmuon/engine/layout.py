@@ -1,0 +1,352 @@
+"""Layout of one param_group in the flat engine: which parameter goes where. Data only, no step.
+
+A :class:`Layout` is built once per engine (and again whenever what it was built from
+changes). It holds
+
+* the flat buffers: one gradient buffer and one update buffer holding the Adam
+  parameters first, then the Muon ones; the float32 Adam moments; the Muon momentum; the
+  Magma scores. The optimizer's per-parameter state entries (``state[p]["exp_avg"]``...)
+  become views of them (:meth:`Layout.adopt`), so the state keeps the built-in layout;
+* the assignment of every Muon matrix to a path (:func:`assign`): one Triton program per
+  matrix (:class:`Fused`), phased Triton tiles (:class:`Phased`), or a zero-padded stack of
+  the torch path (:class:`Bucket`);
+* the device tables and workspaces of those paths (addresses, offsets, strides).
+
+Nothing here runs the step: :mod:`.batched` does the arithmetic on these buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .. import functional as F
+
+__all__ = ["Bucket", "Fused", "Layout", "Phased", "assign", "bucket_key", "kernel_paths", "split_views"]
+
+#: One Muon parameter as the layout sees it: (parameter, (batch, rows, cols) of its matrix view).
+MuonEntry = tuple[torch.Tensor, tuple[int, int, int]]
+
+
+def bucket_key(min_dim: int, device: torch.device) -> int:
+    """Bucket of a matrix by its smaller side.
+
+    On CUDA one bucket per path: padding costs idle FLOPs but saves launches, which
+    dominate at DeePMD sizes. On the CPU, FLOPs cost: bucket by the next power of two.
+    """
+    if device.type == "cuda":
+        return 0
+    return 1 << max(0, (min_dim - 1).bit_length())
+
+
+def split_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive parts of ``flat``, shaped like ``params``."""
+    return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params, strict=True)]
+
+
+@dataclass
+class Bucket:
+    """Matrices of one path orthogonalised by the torch functions, in one zero-padded stack."""
+
+    use_gram: bool
+    batch: int = 0
+    rows: int = 0  # M: the padded smaller side
+    cols: int = 0  # N: the padded larger side
+    members: list[tuple[int, int, int, int, int, bool]] = field(default_factory=list)
+    # (flat offset, batch, rows, cols, batch offset in bucket, transposed)
+    src: torch.Tensor | None = None  # positions in the flat Muon vector
+    dst: torch.Tensor | None = None  # positions in the padded stack
+    stack: torch.Tensor | None = None  # persistent zero-padded input
+    blocks: list[int] = field(default_factory=list)  # global block index of each stack row
+    # per member: (flat offset, batch, rows, cols, transposed, its part of the stack)
+    inputs: list[tuple[int, int, int, int, bool, torch.Tensor]] = field(default_factory=list)
+    # per member: (batch offset in bucket, batch, its muon_delta in wide orientation)
+    outputs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    block_ids: torch.Tensor | None = None
+
+
+@dataclass
+class Fused:
+    """Matrices of one path orthogonalised by one Triton launch (``kernels.orthogonalize_blocks``)."""
+
+    use_gram: bool
+    rows: int = 0  # largest smaller side
+    cols: int = 0  # largest larger side
+    meta: list[list[int]] = field(default_factory=list)  # kernels.META_COLS integers per matrix
+    size: int = 0  # workspace elements
+    table: torch.Tensor | None = None
+    work: torch.Tensor | None = None
+    coefs: torch.Tensor | None = None
+    # the panel path of long matrices (kernels.orthogonalize_panels) and its workspaces
+    panelled: bool = False
+    panels: torch.Tensor | None = None
+    first: torch.Tensor | None = None
+    partial: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    inv: torch.Tensor | None = None
+
+
+@dataclass
+class Phased:
+    """Matrices of one path too large for one program: phased tiles (``kernels.orthogonalize_phased``)."""
+
+    use_gram: bool
+    shape: tuple[int, int]  # the padded (m, n) of every matrix of the group (kernels.padded)
+    matrices: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    # (flat offset, m, n, row stride, column stride, block) in the wide orientation
+    meta: torch.Tensor | None = None
+    partial: torch.Tensor | None = None
+    work: torch.Tensor | None = None
+    coefs: torch.Tensor | None = None
+    counter: torch.Tensor | None = None
+    programs: int = 1
+
+
+def assign(
+    views: list[tuple[int, int, int]], K: ModuleType | None, use_gram: bool, device: torch.device
+) -> tuple[list[Fused], list[Phased], list[Bucket]]:
+    """Group the Muon matrices (``(batch, rows, cols)`` per parameter, in flat order) into paths.
+
+    With the kernels module ``K``: one program per matrix up to ``K.MAX_ROWS``, phased tiles
+    up to ``K.MAX_PHASED_ROWS``; the rest (everything without ``K``) into torch buckets.
+    """
+    fused: dict[tuple[bool, bool], Fused] = {}
+    phased: dict[tuple[bool, int, int], Phased] = {}
+    buckets: dict[tuple[bool, int], Bucket] = {}
+    offset = block = 0
+    for bs, rows, cols in views:
+        gram = use_gram and rows != cols
+        small, large = min(rows, cols), max(rows, cols)
+        if K is not None and small <= K.MAX_ROWS:
+            f = fused.setdefault((gram, K.resident(small, large)), Fused(gram))
+            f.rows, f.cols = max(f.rows, small), max(f.cols, large)
+            # wide orientation: (r, c) of the m x n view is element (c, r) of a tall matrix
+            strides = (1, small) if rows > cols else (large, 1)
+            for i in range(bs):
+                f.meta.append([offset + i * rows * cols, f.size, small, large, *strides, block + i, 0])
+                f.size += rows * cols
+        elif K is not None and small <= K.MAX_PHASED_ROWS:
+            shape = (K.padded(small), K.padded(large))
+            g = phased.setdefault((gram, *shape), Phased(gram, shape))
+            strides = (1, small) if rows > cols else (large, 1)
+            g.matrices += [(offset + i * rows * cols, small, large, *strides, block + i) for i in range(bs)]
+        else:
+            b = buckets.setdefault((gram, bucket_key(small, device)), Bucket(gram))
+            b.members.append((offset, bs, rows, cols, b.batch, rows > cols))
+            b.blocks.extend(range(block, block + bs))
+            b.batch += bs
+            b.rows, b.cols = max(b.rows, small), max(b.cols, large)
+        block += bs
+        offset += bs * rows * cols
+    return list(fused.values()), list(phased.values()), list(buckets.values())
+
+
+def kernel_paths(
+    views: list[tuple[int, int, int]], K: ModuleType, use_gram: bool, device: torch.device
+) -> list[tuple[bool, int, int]]:
+    """The Triton launches (``(use_gram, rows, cols)`` each) that :func:`assign` gives these matrices."""
+    fused, phased, _ = assign(views, K, use_gram, device)
+    return [(f.use_gram, f.rows, f.cols) for f in fused] + [(g.use_gram, *g.shape) for g in phased]
+
+
+class Layout:
+    """Flat buffers, state views and path tables of one param_group.
+
+    Parameters
+    ----------
+    params
+        The group's parameters that take part in the step (non-empty, with a gradient), in
+        group order; one dtype and device.
+    routes
+        Their routes (:func:`deepmd_hybridmuon.functional.route_parameter`).
+    state
+        The optimizer's state; existing entries are copied into the flat buffers and every
+        entry becomes a view of them.
+    group
+        The param_group (its hyperparameters baked into the tables: ``muon_mode``'s views via
+        ``routes``, ``enable_gram``, ``magma_muon``, ``lr_adjust``, ``lr_adjust_coeff``,
+        ``adam_betas``, ``momentum``, whether ``weight_decay`` > 0).
+    kernels
+        The Triton kernels module, or ``None`` for the torch path only.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        routes: list[F.ParamRoute],
+        state: dict,
+        group: dict[str, Any],
+        kernels: ModuleType | None,
+    ) -> None:
+        self.device, self.dtype = params[0].device, params[0].dtype
+        self.adam = [p for p, r in zip(params, routes, strict=True) if r.route != "muon"]
+        self.adamw = [p for p, r in zip(params, routes, strict=True) if r.route == "adamw"]
+        self.muon: list[MuonEntry] = [(p, r.view) for p, r in zip(params, routes, strict=True) if r.route == "muon"]
+        self.betas = tuple(float(b) for b in group["adam_betas"])
+        self.beta = float(group["momentum"])
+        self.weight_decay = float(group["weight_decay"]) > 0
+        self.magma = bool(group["magma_muon"])
+        # One flat gradient buffer and one flat update buffer, Adam parameters first: one
+        # copy in, one finite check and one update pass per step.
+        self.staged = self.adam + [p for p, _ in self.muon]
+        self.numels = [p.numel() for p in self.staged]
+        self.grad = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
+        self.delta = torch.zeros_like(self.grad)
+        self.grad_views = split_views(self.grad, self.staged)
+        self.delta_views = split_views(self.delta, self.staged)
+        self._build_adam(state)
+        self._build_muon(state, group, kernels)
+
+    @property
+    def lanes(self) -> int:
+        """Independent chains of a step that may run on streams of their own: torch buckets and phased groups."""
+        return len(self.buckets) + len(self.phased_paths)
+
+    # ------------------------------------------------------------------ state
+
+    def adopt(self, state: dict, params: list[torch.Tensor], key: str, flat: torch.Tensor) -> None:
+        """Copy existing state ``key`` of ``params`` into ``flat`` and make the state entries views of it."""
+        for p, view in zip(params, split_views(flat, params), strict=True):
+            old = state[p].get(key)
+            if isinstance(old, torch.Tensor) and old.shape == view.shape:
+                view.copy_(old)
+            state[p][key] = view
+
+    def _build_adam(self, state: dict) -> None:
+        n = sum(p.numel() for p in self.adam)
+        kw = {"device": self.device, "dtype": torch.float32}
+        self.exp_avg = torch.zeros(n, **kw)
+        self.exp_avg_sq = torch.zeros(n, **kw)
+        self.adam_delta = self.delta[:n]
+        self.adam_grad = self.grad[:n]
+        fresh = [p for p in self.adam if "exp_avg" not in state[p]]
+        self.adopt(state, self.adam, "exp_avg", self.exp_avg)
+        self.adopt(state, self.adam, "exp_avg_sq", self.exp_avg_sq)
+        for p in fresh:
+            state[p]["beta1_pow"] = 1.0
+            state[p]["beta2_pow"] = 1.0
+        self.adam_states = [state[p] for p in self.adam]  # a loaded state dict rebuilds the engine
+        # One pair of bias corrections serves all: the engine needs the Adam parameters at
+        # one step count, and keeps them there (it steps them all together).
+        pows = {(st["beta1_pow"], st["beta2_pow"]) for st in self.adam_states}
+        self.adam_uniform = len(pows) <= 1
+
+    def _build_muon(self, state: dict, group: dict[str, Any], K: ModuleType | None) -> None:
+        params = [p for p, _ in self.muon]
+        views = [view for _, view in self.muon]
+        n = sum(p.numel() for p in params)
+        kw = {"device": self.device}
+        self.momentum = torch.zeros(n, dtype=self.dtype, **kw)
+        self.adopt(state, params, "momentum_buffer", self.momentum)
+        self.muon_delta = self.delta[self.delta.numel() - n :]
+        self.muon_grad = self.grad[self.grad.numel() - n :]
+
+        # Blocks (one per matrix of each view) and their per-block Muon scale.
+        lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
+        lengths, scales = [], []
+        for bs, rows, cols in views:
+            lengths += [rows * cols] * bs
+            scales += [F.muon_scale(rows, cols, lr_adjust, coeff)] * bs
+        self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
+        self.block_factor = torch.zeros_like(self.block_scale)  # scale x Magma x -lr, per step
+        if self.magma:
+            self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
+            for p, view in zip(params, self.scores.split([bs for bs, _, _ in views]), strict=True):
+                old = state[p].get("magma_score")
+                if isinstance(old, torch.Tensor) and old.shape == view.shape:
+                    view.copy_(old)
+                state[p]["magma_score"] = view
+
+        # Each matrix goes to a Triton launch (with the kernels) or to a zero-padded stack
+        # of the torch path.
+        fused, phased, buckets = assign(views, K, bool(group["enable_gram"]), self.device)
+        for f in fused:
+            self._build_fused(K, f)
+        self.fused_paths = fused
+        for g in phased:
+            self._build_phased(K, g, len(phased))
+        self.phased_paths = phased
+        self.triton = K is not None  # also copies the gradients in and applies the updates
+        self.magma_kernel = self.triton and self.magma
+        if self.magma_kernel:
+            bounds, first = K.magma_chunks(lengths)
+            self.magma_bounds = torch.tensor(bounds, dtype=torch.int64, **kw)
+            self.magma_first = torch.tensor(first, dtype=torch.int64, **kw)
+            self.magma_partial = torch.zeros(3 * (len(bounds) - 1), dtype=torch.float32, **kw)
+        for b in buckets:
+            self._build_bucket(b)
+        self.buckets = buckets
+        if self.triton:
+            self._build_spans(K)
+
+    # ------------------------------------------------------------------ tables
+
+    def _build_spans(self, K: ModuleType) -> None:
+        """The address-table kernels' spans (with each span's decay) and their buffers."""
+        kw = {"device": self.device}
+        adamw = {id(p) for p in self.adamw} if self.weight_decay else set()
+        decays = [2 if id(p) in adamw else 0 for p in self.adam]
+        decays += [1 if self.weight_decay else 0] * len(self.muon)
+        self.spans = torch.tensor(K.span_table(self.numels, decays), dtype=torch.int64, **kw)
+        self.span_finite = torch.ones(self.spans.size(0), dtype=torch.float32, **kw)
+        self.betas_t = torch.tensor([self.beta, 1.0 - self.beta], dtype=self.dtype, **kw)
+        self.update = torch.zeros_like(self.momentum)
+        self.param_addresses = torch.tensor([p.data_ptr() for p in self.staged], dtype=torch.int64, **kw)
+
+    def _build_fused(self, K: Any, f: Fused) -> None:
+        """Device tables and workspaces of one Triton launch group."""
+        kw = {"device": self.device}
+        f.table = torch.tensor(f.meta, dtype=torch.int64, **kw)
+        size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
+        f.work = torch.zeros(size, dtype=K.work_dtype(f.use_gram), **kw)
+        f.coefs = K.coefficient_table(f.use_gram, self.device)
+        f.panelled = K.panelled(f.use_gram, f.rows, f.cols)
+        if f.panelled:
+            panels, first = K.panel_table(f.meta)
+            bm = K.panel_block(f.rows)
+            f.panels = torch.tensor(panels, dtype=torch.int64, **kw)
+            f.first = torch.tensor(first, dtype=torch.int64, **kw)
+            f.partial = torch.zeros(len(panels), bm, bm, dtype=torch.float32, **kw)
+            f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
+            f.inv = torch.zeros(len(f.meta), dtype=torch.float32, **kw)
+
+    def _build_phased(self, K: Any, g: Phased, groups: int) -> None:
+        """Tables, workspaces and grid of one phased group (``groups`` of them may run at once)."""
+        kw = {"device": self.device}
+        g.meta = torch.tensor(g.matrices, dtype=torch.int64, **kw)
+        tiles = len(g.matrices) * K.phased_tiles(*g.shape)  # the largest phase: one m x n tile each
+        g.partial = torch.zeros(tiles, dtype=torch.float32, **kw)
+        g.work = torch.zeros(K.phased_workspace(g.matrices, g.use_gram), dtype=K.work_dtype(g.use_gram), **kw)
+        g.coefs = K.coefficient_table(g.use_gram, self.device)
+        g.counter = torch.zeros(1, dtype=torch.int32, **kw)
+        g.programs = tiles
+        if self.device.type == "cuda":  # every program resident at once, with the other groups'
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            g.programs = max(1, min(g.programs, sms // groups))
+
+    def _build_bucket(self, b: Bucket) -> None:
+        """Index maps into and out of a torch bucket's zero-padded stack, and the stack."""
+        kw = {"device": self.device}
+        src, dst = [], []
+        for off, bs, rows, cols, boff, tall in b.members:
+            k = torch.arange(bs * rows * cols, **kw)
+            i, r, c = k // (rows * cols), (k // cols) % rows, k % cols
+            if tall:  # wide orientation: element (r, c) goes to (c, r)
+                r, c = c, r
+            src.append(k + off)
+            dst.append(((boff + i) * b.rows + r) * b.cols + c)
+        b.src, b.dst = torch.cat(src), torch.cat(dst)
+        # The stack holds the iteration's input dtype (float32 for the Gram path, bfloat16 for the
+        # standard one), so the copy in converts, as the reference's first ``.to`` would.
+        dtype = torch.float32 if b.use_gram else torch.bfloat16
+        b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=dtype, **kw)
+        b.inputs, b.outputs = [], []
+        for off, bs, rows, cols, boff, tall in b.members:
+            flat = self.muon_delta[off : off + bs * rows * cols].view(bs, rows, cols)
+            b.outputs.append((boff, bs, flat.mT if tall else flat))
+            small, large = min(rows, cols), max(rows, cols)
+            b.inputs.append((off, bs, rows, cols, tall, b.stack[boff : boff + bs, :small, :large]))
+        b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, **kw)
