@@ -57,7 +57,17 @@ from . import functional as F
 if TYPE_CHECKING:
     from .optimizer import HybridMuonOptimizer
 
-__all__ = ["ParamLayout", "Plan", "build_plan", "chunk_rows", "step_group", "trace_collectives"]
+__all__ = [
+    "ParamLayout",
+    "Plan",
+    "build_plan",
+    "chunk_rows",
+    "from_owners",
+    "plan_of",
+    "step_group",
+    "to_owners",
+    "trace_collectives",
+]
 
 # ----------------------------------------------------------------------------- collectives
 
@@ -299,6 +309,53 @@ def _cat_index(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)).to(device)
 
 
+# ----------------------------------------------------------------------------- transport
+
+
+def to_owners(ex: _Exchange, local: torch.Tensor, pg: Any) -> torch.Tensor:
+    """Send this rank's flat Muon buffer (plan order) to the owners; return the owned matrices.
+
+    One ``all_to_all_single`` with uneven splits, called by every rank (zero-length splits
+    for a rank without pieces or owned matrices). The result is the owned buffer: owned
+    matrices grouped by shape (``ex.groups``), each whole, in row-major order.
+    """
+    import torch.distributed as dist
+
+    send = local[ex.send_index]
+    recv = torch.empty(ex.owned_numel, dtype=local.dtype, device=local.device)
+    _collective(
+        "all_to_all",
+        (len(ex.send_splits),),
+        dist.all_to_all_single,
+        recv,
+        send,
+        output_split_sizes=ex.recv_splits,
+        input_split_sizes=ex.send_splits,
+        group=pg,
+    )
+    return recv[ex.gather]
+
+
+def from_owners(ex: _Exchange, owned: torch.Tensor, pg: Any) -> torch.Tensor:
+    """The inverse of :func:`to_owners`: each rank gets back its pieces of the owned buffers."""
+    import torch.distributed as dist
+
+    back = torch.empty(ex.local_numel, dtype=owned.dtype, device=owned.device)
+    _collective(
+        "all_to_all",
+        (len(ex.send_splits),),
+        dist.all_to_all_single,
+        back,
+        owned[ex.place],
+        output_split_sizes=ex.send_splits,
+        input_split_sizes=ex.recv_splits,
+        group=pg,
+    )
+    local = torch.empty_like(back)
+    local[ex.send_index] = back
+    return local
+
+
 # ----------------------------------------------------------------------------- mesh
 
 
@@ -538,22 +595,10 @@ def _muon(
         damp = F.magma_scale_(flat_score, _magma_raw_from_sums(sums[:, 0], sums[:, 1], sums[:, 2]), ok)
         _write_back(scores, flat_score)
 
-    # Out: local pieces to their owners. The transport dtype holds the update and every
-    # delta exactly (bfloat16/float16 -> float32), so all ranks see the bits one process does.
+    # The transport dtype holds the update and every delta exactly (bfloat16/float16 ->
+    # float32), so the owner sees the bits one process does.
     wire = torch.promote_types(work, torch.float32)
-    send = update[ex.send_index].to(wire)
-    recv = torch.empty(ex.owned_numel, dtype=wire, device=send.device)
-    _collective(
-        "all_to_all",
-        (len(ex.send_splits),),
-        dist.all_to_all_single,
-        recv,
-        send,
-        output_split_sizes=ex.recv_splits,
-        input_split_sizes=ex.send_splits,
-        group=pg,
-    )
-    owned = recv[ex.gather].to(work)
+    owned = to_owners(ex, update.to(wire), pg).to(work)
     delta = torch.empty_like(owned, dtype=wire)
     for sg in ex.groups:
         n = sg.count * sg.rows * sg.cols
@@ -562,20 +607,6 @@ def _muon(
         if damp is not None:
             d = d * damp[sg.matrix_ids].view(sg.count, 1, 1).to(d.dtype)
         delta[sg.start : sg.start + n].copy_(d.reshape(-1))
-
-    # Back: each rank its pieces of the owners' updates, in the order it sent them.
-    back = torch.empty(ex.local_numel, dtype=wire, device=send.device)
-    _collective(
-        "all_to_all",
-        (len(ex.send_splits),),
-        dist.all_to_all_single,
-        back,
-        delta[ex.place],
-        output_split_sizes=ex.send_splits,
-        input_split_sizes=ex.recv_splits,
-        group=pg,
-    )
-    local_delta = torch.empty_like(back)
-    local_delta[ex.send_index] = back
+    local_delta = from_owners(ex, delta, pg)
     flat_p.addcmul_(local_delta, ok.to(flat_p.dtype) * -lr)
     _write_back(locals_, flat_p)
