@@ -116,9 +116,7 @@ def main() -> None:
 
     model = _model(args.config)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    muon = sum(
-        1 for r in _optimizer(named).routing_table() if r["route"] == "muon" for _ in range(r["view"][0])
-    )
+    muon = sum(1 for r in _optimizer(named).routing_table() if r["route"] == "muon" for _ in range(r["view"][0]))
 
     def plain(params, grads):
         for p, g in zip(params, grads, strict=True):
@@ -135,7 +133,9 @@ def main() -> None:
     os.unlink(out)
     print(f"model {Path(args.config).stem}: {len(named)} trainable parameters, {muon} Muon matrices")
     print(f"one process: {single * 1e3:.1f} ms/step")
-    print(f"FSDP2 on {args.world} gloo ranks: {result['seconds'] * 1e3:.1f} ms/step ({result['seconds'] / single:.2f}x)")
+    print(
+        f"FSDP2 on {args.world} gloo ranks: {result['seconds'] * 1e3:.1f} ms/step ({result['seconds'] / single:.2f}x)"
+    )
     print(f"collectives in one step (rank 0): {sum(result['calls'].values())} {result['calls']}")
 
 
