@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
+from . import distributed
 from . import functional as F
 from .engine import GroupEngine
 from .engine import is_dtensor as _is_dtensor
@@ -62,54 +63,14 @@ def _is_real(x: Any) -> bool:
 # ----------------------------------------------------------------------------- DTensor
 #
 # Under FSDP2 (``fully_shard``) every parameter, gradient and parameter-shaped state
-# tensor is a DTensor, usually sharded on dim 0 with torch.chunk semantics (uneven, some
-# shards possibly empty). The loop below works on the local shards for elementwise rules
-# and gathers each Muon matrix whole for Newton–Schulz and Magma, so a sharded run does
-# the same arithmetic on the same matrices as one process.
+# tensor is a DTensor sharded on dim 0. Groups of DTensor parameters take the step of
+# :mod:`deepmd_hybridmuon.distributed` (each Muon matrix orthogonalised once, on its
+# owner rank); the helpers here give the local shards of parameters and state.
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (sharing its storage under ``no_grad``), else ``t``."""
     return t.to_local() if _is_dtensor(t) else t
-
-
-def _shard_like(full: torch.Tensor, like: Any) -> torch.Tensor:
-    """The local shard (a plain tensor) of ``full``, laid out like the DTensor ``like``.
-
-    Every rank holds the same ``full``: the shard is sliced locally, without communication.
-    """
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
-
-
-def _gather_like(local: torch.Tensor, like: Any) -> torch.Tensor:
-    """The full tensor whose shard on this rank is ``local``, sharded like the DTensor ``like``."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
-    return sharded.full_tensor()
-
-
-def _gate_across_ranks(ok: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
-    """The finite gate of every rank holding a shard of ``grads``: the minimum over their meshes.
-
-    Each rank sees only its shards, so a NaN on one rank must stop the step on all of them.
-    """
-    import torch.distributed as dist
-
-    meshes: dict[int, Any] = {}
-    for g in grads:
-        if _is_dtensor(g):
-            meshes.setdefault(id(g.device_mesh), g.device_mesh)
-    for mesh in meshes.values():  # same order on every rank: the order of the parameters
-        flag = ok if ok.device.type == mesh.device_type else ok.to(mesh.device_type)
-        for dim in range(mesh.ndim):
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
-        ok = flag.to(ok.device)
-    return ok
 
 
 def check_number(key: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
@@ -211,7 +172,8 @@ class HybridMuonOptimizer(Optimizer):
     compilation at the first step) and no import-time side effects; a step whose
     gradients hold NaN or inf is skipped (parameters and state unchanged, decided on the
     device; see :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor)
-    parameters work, each Muon matrix being gathered and orthogonalised whole.
+    parameters work, each Muon matrix orthogonalised once, on one owner rank
+    (:mod:`deepmd_hybridmuon.distributed`).
 
     Implementations: the per-parameter loop in this class is the specification; the flat
     engine (:mod:`deepmd_hybridmuon.engine`) computes the same step in batched kernels, with
@@ -438,6 +400,9 @@ class HybridMuonOptimizer(Optimizer):
                 loss = closure()
         shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
         for index, group in enumerate(self.param_groups):
+            if any(_is_dtensor(p) for p in group["params"]):
+                distributed.step_group(self, index, group, shared)  # FSDP2: the owner computes
+                continue
             engine = self._engine(index, group)
             if engine is None or not engine.step(group, shared):
                 if engine is not None and not self._said_loop:
@@ -556,9 +521,7 @@ class HybridMuonOptimizer(Optimizer):
         if shared is not None:  # already agreed across ranks (nonfinite_across_ranks)
             ok = shared.to(grads[0].device)
         else:
-            ok = F.finite_gate([_local(g) for g in grads])
-            if any(_is_dtensor(g) for g in grads):
-                ok = _gate_across_ranks(ok, grads)
+            ok = F.finite_gate(grads)
         for p, grad in zip(active, grads, strict=True):
             route = self.route_of(p, group)
             if route.route == "muon":
@@ -606,18 +569,17 @@ class HybridMuonOptimizer(Optimizer):
     ) -> None:
         state = self.state[p]
         if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)  # a DTensor for a DTensor p
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["beta1_pow"] = 1.0
             state["beta2_pow"] = 1.0
         state["beta1_pow"] *= beta1
         state["beta2_pow"] *= beta2
-        # Elementwise: the local shards of a DTensor parameter are updated in place.
         F.adam_update_(
-            _local(p),
-            _local(grad),
-            self._local_state(p, "exp_avg"),
-            self._local_state(p, "exp_avg_sq"),
+            p,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
             beta1=beta1,
             beta2=beta2,
             beta1_pow=state["beta1_pow"],
@@ -633,13 +595,7 @@ class HybridMuonOptimizer(Optimizer):
         entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]],
         ok: torch.Tensor,
     ) -> None:
-        """Muon, one parameter at a time (parameters are independent; one full matrix alive at a time).
-
-        Momentum and weight decay are elementwise (local shards of a DTensor). Newton–Schulz
-        and Magma see whole matrices: for a DTensor parameter the Nesterov update (and, for
-        Magma, momentum and gradient) are gathered, the unchanged functional code runs on the
-        full tensors on every rank, and each rank keeps its shard of the result.
-        """
+        """Muon, one parameter at a time (parameters are independent; one full matrix alive at a time)."""
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
         momentum = float(group["momentum"])
@@ -648,28 +604,17 @@ class HybridMuonOptimizer(Optimizer):
 
         for p, grad, (bs, rows, cols) in entries:
             state = self.state[p]
-            sharded = _is_dtensor(p)
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad)  # a DTensor for a DTensor p
-            buf = self._local_state(p, "momentum_buffer")
-            g = F.sanitize(_local(grad).to(buf.dtype), ok)
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            buf = state["momentum_buffer"]
+            g = F.sanitize(grad.to(buf.dtype), ok)
             if wd > 0:
-                _local(p).mul_(F.gate_factor(1.0 - lr * wd, ok, p.dtype))
+                p.mul_(F.gate_factor(1.0 - lr * wd, ok, p.dtype))
             update = F.nesterov_momentum_(buf, g, momentum, ok)
-            if sharded and magma:
-                # Whole blocks for the cosine; the update from the gathered tensors is the
-                # elementwise formula of nesterov_momentum_ on the full matrix.
-                buf = state["momentum_buffer"].full_tensor()
-                g = F.sanitize(grad.full_tensor().to(buf.dtype), ok)
-                update = torch.lerp(g, buf, momentum)
-            elif sharded:
-                update = _gather_like(update, p)
 
             damp = None
             if magma:
                 score = state.get("magma_score")
-                if _is_dtensor(score):
-                    score = state["magma_score"] = score.full_tensor()
                 if score is None or score.shape != (bs,) or score.device != p.device:
                     score = torch.full((bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=p.device)
                     state["magma_score"] = score
@@ -680,7 +625,4 @@ class HybridMuonOptimizer(Optimizer):
             delta = orth * F.muon_scale(rows, cols, lr_adjust, coeff)
             if damp is not None:
                 delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
-            delta = delta.reshape(p.shape)
-            if sharded:
-                delta = _shard_like(delta, p)
-            _local(p).addcmul_(delta, ok.to(p.dtype) * -lr)
+            p.addcmul_(delta.reshape(p.shape), ok.to(p.dtype) * -lr)

@@ -62,9 +62,11 @@ SPAWN_TIMEOUT = 240
 # _rel_diff), per parameter, worst parameter.
 #
 # Same optimizer code on the same full tensors in one process and in two: bitwise equal,
-# measured 0.0 everywhere (DDP; ZeRO-1 with the per-parameter loop; FSDP2 against the loop,
-# which the sharded path is: the Nesterov update, Magma's cosine and Newton–Schulz run on
-# the gathered full matrices, only elementwise rules run on the shards). Asserted exactly.
+# measured 0.0 everywhere (DDP; ZeRO-1 with the per-parameter loop). Asserted exactly.
+# FSDP2 (deepmd_hybridmuon.distributed): elementwise rules on the shards and Newton–Schulz on
+# the owner's whole matrices, stacked by shape, are the loop's arithmetic (asserted exactly
+# without Magma); with Magma, the cosines come from per-shard sums added across ranks, another
+# order of float32 summation: Muon tensors within OWNER_RTOL_MUON, Adam tensors exact.
 #
 #: The flat engine (one process, the default implementation) against the loop (what FSDP2 runs,
 #: and each ZeRO-1 rank's engine on its partition): zero padding and bucketing change
@@ -74,6 +76,13 @@ SPAWN_TIMEOUT = 240
 #: (one matrix; every other parameter bitwise equal).
 ENGINE_RTOL_MUON = 2.0**-7
 ENGINE_RTOL_ADAM = 1e-6
+#: FSDP2 (the owner computes) against the single-process loop (muon tensors). The owner runs the loop's
+#: arithmetic on the same whole matrices, stacked by shape across parameters; Magma's
+#: cosines come from per-shard partial sums added across ranks (float32, another order of
+#: summation), whose rounding can move a bfloat16/float16 rounding of the Newton–Schulz
+#: result: bounded by the engine tolerance (2^-7, the bfloat16 unit roundoff). Adam-routed
+#: tensors are elementwise and must match bitwise.
+OWNER_RTOL_MUON = ENGINE_RTOL_MUON
 
 
 # ----------------------------------------------------------------------------- models and data
@@ -331,7 +340,7 @@ def _scenario_fsdp2(rank: int, outdir: str) -> None:
         if opt3.state.get(p)
     }
 
-    # Other options (no Magma: the Nesterov update itself is gathered; standard Newton–Schulz;
+    # Other options (no Magma: no partial sums; standard Newton–Schulz;
     # "flat" views across the sharded dimension), on a 2-D mesh: HSDP, (Replicate(), Shard(0)).
     hsdp = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
     _net4, named4, opt4 = sharded_net(hsdp, **OTHER_OPTIONS)
@@ -343,23 +352,159 @@ def _scenario_fsdp2(rank: int, outdir: str) -> None:
     _save(outdir, "fsdp2", rank, results)
 
 
-SCENARIOS = {"fsdp2": _scenario_fsdp2, "zero": _scenario_zero, "ddp": _scenario_ddp}
+# ----------------------------------------------------------------------------- FSDP2: the owner computes
+
+#: World sizes of the owner-computes scenario (2 in the pair above; 3 and 4 spawned apart).
+OWNER_WORLDS = (2, 3, 4)
+OWNER_STEPS = 3
+#: The step whose gradient holds a NaN in ``w2d``'s last row: the last rank's shard only.
+OWNER_NAN_STEP = 1
+#: A synthetic model (no deepmd: its ranks start fast). Under 2, 3 and 4 ranks: ``w2d``
+#: splits 4+3, 3+3+1, 2+2+2+1 rows (matrices cut across ranks); ``tiny`` has fewer rows
+#: than 3 or 4 ranks (empty shards); ``square`` takes the standard Newton–Schulz path, the
+#: others the Gram path; ``slab`` is five (4, 6) matrices in "slice" mode and one (20, 6)
+#: matrix cut across ranks in "flat" mode; ``lead1`` is a (8, 5) matrix whose size-1 dim 0
+#: puts it whole on rank 0 (every other shard empty); ``adamw_gain`` is AdamW by name,
+#: ``bias`` Adam; ``nograd`` never gets a gradient.
+OWNER_SHAPES: dict[str, tuple[int, ...]] = {
+    "w2d": (7, 10),
+    "tiny": (2, 4),
+    "square": (6, 6),
+    "slab": (5, 4, 6),
+    "lead1": (1, 8, 5),
+    "adamw_gain": (3, 4),
+    "bias": (9,),
+    "nograd": (6, 6),
+}
+#: Both with the defaults' Gram path and Magma.
+OWNER_OPTIONS: dict[str, dict] = {"slice": {"muon_mode": "slice"}, "flat": {"muon_mode": "flat"}}
+#: Model sizes (copies of the block) whose collective sequences are compared.
+OWNER_COPIES = (1, 3)
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
+class _Block(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.p = torch.nn.ParameterDict(
+            {k: torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for k, s in OWNER_SHAPES.items()}
+        )
+
+
+class _Synthetic(torch.nn.Module):
+    def __init__(self, copies: int = 1) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(11 + c) for c in range(copies))
+
+
+def _owner_grads(named: list[tuple[str, torch.Tensor]], step: int) -> list[torch.Tensor | None]:
+    grads = seeded_grads([p for _, p in named], step)
+    out: list[torch.Tensor | None] = []
+    for (name, _), g in zip(named, grads, strict=True):
+        if name.endswith("nograd"):
+            out.append(None)
+            continue
+        if step == OWNER_NAN_STEP and name == "blocks.0.p.w2d":
+            g = g.clone()
+            g[-1, 3] = float("nan")
+        out.append(g)
+    return out
+
+
+def _shard_owner_grads(named: list[tuple[str, torch.Tensor]], grads: list[torch.Tensor | None]) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    for (_, p), g in zip(named, grads, strict=True):
+        p.grad = None if g is None else distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+
+
+def _scenario_owner(rank: int, outdir: str) -> None:
+    """Owner-computes on ``world`` ranks: results, plans, transport and collective sequences."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from deepmd_hybridmuon import distributed as D
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+
+    def gathered(obj: object) -> list:
+        out: list = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    results: dict[str, object] = {}
+    for label, options in OWNER_OPTIONS.items():
+        for copies in OWNER_COPIES:
+            net = _Synthetic(copies)
+            fully_shard(net, mesh=mesh)
+            named = list(net.named_parameters())
+            opt = HybridMuonOptimizer([p for _, p in named], named_parameters=named, lr=LR, **options)
+            traces = []
+            for k in range(OWNER_STEPS):
+                _shard_owner_grads(named, _owner_grads(named, k))
+                before = _full(named)
+                with D.trace_collectives() as trace:
+                    opt.step()
+                traces.append(list(trace))
+                if k == OWNER_NAN_STEP:
+                    after = _full(named)
+                    results[f"{label}/{copies}/moved_in_nan_step"] = [
+                        n for n in before if not torch.equal(before[n], after[n])
+                    ]
+            plan, ex, _, _ = D.plan_of(opt, 0, opt.param_groups[0])
+            key = f"{label}/{copies}"
+            results[f"{key}/plans"] = gathered(repr(plan))
+            results[f"{key}/traces"] = gathered(traces)
+            results[f"{key}/owned"] = gathered(sorted(int(i) for g in ex.groups for i in g.matrix_ids))
+            results[f"{key}/num_matrices"] = ex.num_matrices
+            results[f"{key}/load"] = plan.load
+            results[f"{key}/local_shapes"] = gathered({n: tuple(p.to_local().shape) for n, p in named})
+            if copies == 1:
+                results[f"{key}/end"] = _full(named)
+
+            # Transport: random float64 stand-ins for the Muon updates go to the owners whole
+            # and come back unchanged.
+            params = opt.param_groups[0]["params"]
+            muon = [params[layout.index] for layout in plan.muon]
+            gen = torch.Generator().manual_seed(5)
+            full = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in muon]
+            local = torch.cat(
+                [
+                    f[layout.ranges[rank][0] : layout.ranges[rank][1]].reshape(-1)
+                    for f, layout in zip(full, plan.muon, strict=True)
+                ]
+            )
+            matrices = [m for f, layout in zip(full, plan.muon, strict=True) for m in f.reshape(layout.view[0], -1)]
+            expected = torch.cat([matrices[int(i)] for g in ex.groups for i in g.matrix_ids] or [local[:0]])
+            pg = mesh.get_group(0)
+            with D.trace_collectives() as trace:
+                owned = D.to_owners(ex, local, pg)
+                back = D.from_owners(ex, owned, pg)
+            results[f"{key}/transport_owned_exact"] = torch.equal(owned, expected)
+            results[f"{key}/transport_back_exact"] = torch.equal(back, local)
+            results[f"{key}/transport_trace"] = list(trace)
+    _save(outdir, f"owner{world}", rank, results)
+
+
+SCENARIOS = {"fsdp2": _scenario_fsdp2, "zero": _scenario_zero, "ddp": _scenario_ddp, "owner": _scenario_owner}
+
+
+def _worker(rank: int, port: int, outdir: str, world: int, names: tuple[str, ...]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # as the pytest process (conftest): same reduction order
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
     try:
-        for name, scenario in SCENARIOS.items():
+        for name in names:
             start = time.perf_counter()
-            scenario(rank, outdir)
+            SCENARIOS[name](rank, outdir)
             dist.barrier()
             if rank == 0:
-                (Path(outdir) / f"{name}.seconds").write_text(f"{time.perf_counter() - start:.2f}")
+                (Path(outdir) / f"{name}{world}.seconds").write_text(f"{time.perf_counter() - start:.2f}")
     finally:
         dist.destroy_process_group()
 
@@ -425,18 +570,15 @@ def fsdp_reference() -> dict:
     return _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, implementation="loop", snapshot_at=STEPS_BEFORE)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, fsdp_reference: dict) -> _Run:
+def _spawn(outdir: Path, world: int, names: tuple[str, ...]) -> tuple[str | None, float]:
+    """Run the scenarios ``names`` on ``world`` gloo ranks; the first error (or None) and the seconds."""
     import torch.multiprocessing as mp
 
-    outdir = tmp_path_factory.mktemp("distributed")
-    torch.save(
-        {"params": fsdp_reference["mid"], "state_dict": fsdp_reference["state_dict"]},
-        outdir / "single_process_mid.pt",
-    )
     start = time.perf_counter()
     error = None
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(outdir)), nprocs=WORLD, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker, args=(_free_port(), str(outdir), world, names), nprocs=world, join=False, start_method="spawn"
+    )
     try:
         while not ctx.join(timeout=1.0):
             if time.perf_counter() - start > SPAWN_TIMEOUT:
@@ -445,11 +587,34 @@ def run(tmp_path_factory: pytest.TempPathFactory, fsdp_reference: dict) -> _Run:
     except Exception as exc:  # ProcessRaisedException carries the child's traceback
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        for proc in ctx.processes:  # only the two processes started above
+        for proc in ctx.processes:  # only the processes started above
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    return _Run(outdir, error, time.perf_counter() - start)
+    return error, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, fsdp_reference: dict) -> _Run:
+    outdir = tmp_path_factory.mktemp("distributed")
+    torch.save(
+        {"params": fsdp_reference["mid"], "state_dict": fsdp_reference["state_dict"]},
+        outdir / "single_process_mid.pt",
+    )
+    error, seconds = _spawn(outdir, WORLD, tuple(SCENARIOS))
+    return _Run(outdir, error, seconds)
+
+
+@pytest.fixture(scope="module")
+def owner_runs(run: _Run, tmp_path_factory: pytest.TempPathFactory) -> dict[int, _Run]:
+    """The owner-computes scenario on every world size (2: from the pair of ``run``)."""
+    runs = {WORLD: run}
+    for world in OWNER_WORLDS:
+        if world != WORLD:
+            outdir = tmp_path_factory.mktemp(f"owner{world}")
+            error, seconds = _spawn(outdir, world, ("owner",))
+            runs[world] = _Run(outdir, error, seconds)
+    return runs
 
 
 # ----------------------------------------------------------------------------- checks
@@ -473,8 +638,17 @@ def _assert_exact(got: dict, want: dict) -> None:
     assert not bad, f"not bitwise equal: {bad}"
 
 
-def _route(name: str, shape) -> str:
-    return F.route_parameter(name, tuple(shape), "slice").route
+def _route(name: str, shape, mode: str = "slice") -> str:
+    return F.route_parameter(name, tuple(shape), mode).route
+
+
+def _assert_matches_loop(start: dict, got: dict, want: dict, mode: str = "slice") -> None:
+    """FSDP2 against the single-process loop: Adam routes bitwise, Muon within OWNER_RTOL_MUON."""
+    names = [n for n in want if want[n].numel() > 0]
+    muon = [n for n in names if _route(n, want[n].shape, mode) == "muon"]
+    _assert_exact({n: got[n] for n in names if n not in muon}, {n: want[n] for n in names if n not in muon})
+    diffs = _worst(start, got, want, muon)
+    assert max(diffs.values(), default=0.0) <= OWNER_RTOL_MUON, diffs
 
 
 def test_ddp_matches_one_process(run: _Run) -> None:
@@ -546,7 +720,7 @@ def test_zero1_without_the_flag_skips_only_the_owning_partition(run: _Run) -> No
 
 
 def test_fsdp2_matches_one_process(run: _Run, fsdp_reference: dict) -> None:
-    """Default options (Gram path, Magma) on sharded DTensors == the single-process loop, bitwise."""
+    """Default options (Gram path, Magma) on sharded DTensors == the single-process loop."""
     res = run.result("fsdp2", 0)
     ref = fsdp_reference
     # uneven and empty shards are in the test
@@ -554,10 +728,11 @@ def test_fsdp2_matches_one_process(run: _Run, fsdp_reference: dict) -> None:
     assert res["local_shapes"]["extra.lowrank"] == (4, 10) and r1["local_shapes"]["extra.lowrank"] == (3, 10)
     assert res["local_shapes"]["extra.slab"] == (2, 5, 6) and r1["local_shapes"]["extra.slab"] == (1, 5, 6)
     assert 0 in {s[0] for s in r1["local_shapes"].values() if s}
-    # Both ranks gathered the same full parameters.
+    # Both ranks hold the same parameters.
     _assert_exact(res["end"], r1["end"])
-    _assert_exact(res["mid"], ref["mid"])
-    _assert_exact(res["end"], ref["end"])
+    # Adam routes bitwise; Muon within the rounding of Magma's partial sums (see OWNER_RTOL_MUON).
+    _assert_matches_loop(ref["start"], res["mid"], ref["mid"])
+    _assert_matches_loop(ref["start"], res["end"], ref["end"])
     # The NaN step was skipped on both ranks (by the single process too): nothing is NaN.
     assert all(torch.isfinite(t).all() for t in res["end"].values())
     # Against the default single process (flat engine): rounding of its padded stacks.
@@ -622,7 +797,7 @@ def test_fsdp2_checkpoint_resumes(run: _Run, fsdp_reference: dict) -> None:
     _assert_exact(res["resumed_params"], res["mid"])
     _assert_exact(res["loaded_params"], fsdp_reference["mid"])
     _assert_exact(res["end_resumed"], res["end"])
-    _assert_exact(res["end_single_process_checkpoint"], fsdp_reference["end"])
+    _assert_matches_loop(fsdp_reference["start"], res["end_single_process_checkpoint"], fsdp_reference["end"])
 
 
 def test_children_finish(run: _Run) -> None:
@@ -630,3 +805,86 @@ def test_children_finish(run: _Run) -> None:
     seconds = {p.stem: float(p.read_text()) for p in run.outdir.glob("*.seconds")}
     print(f"\ndistributed: {run.seconds:.1f} s wall for the pair of processes; scenarios {seconds}", file=sys.stderr)
     assert run.error is None, run.error
+
+
+# ----------------------------------------------------------------------------- checks: the owner computes
+
+
+def _owner_reference(options: dict) -> dict:
+    net = _Synthetic(1)
+    named = list(net.named_parameters())
+    params = [p for _, p in named]
+    opt = HybridMuonOptimizer(params, named_parameters=named, lr=LR, batched=False, **options)
+    start = _snapshot(named)
+    for k in range(OWNER_STEPS):
+        for p, g in zip(params, _owner_grads(named, k), strict=True):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+    return {"start": start, "end": _snapshot(named)}
+
+
+def _owner(owner_runs: dict[int, _Run], world: int, rank: int = 0) -> dict:
+    return owner_runs[world].result(f"owner{world}", rank)
+
+
+@pytest.mark.parametrize("world", OWNER_WORLDS)
+@pytest.mark.parametrize("label", list(OWNER_OPTIONS))
+def test_fsdp2_owner_matches_one_process(owner_runs: dict[int, _Run], world: int, label: str) -> None:
+    """2-D, 3-D slice, flat, AdamW, Adam and grad-less parameters, Gram and Magma on, against one process."""
+    res = _owner(owner_runs, world)
+    shapes = res[f"{label}/1/local_shapes"]
+    assert any(s["blocks.0.p.tiny"][0] == 0 for s in shapes) == (world > 2)  # empty shards
+    assert any(s["blocks.0.p.lead1"][0] == 0 for s in shapes)
+    ref = _owner_reference(OWNER_OPTIONS[label])
+    got = res[f"{label}/1/end"]
+    assert torch.equal(got["blocks.0.p.nograd"], ref["start"]["blocks.0.p.nograd"])
+    muon = {n for n in got if _route(n, got[n].shape, label) == "muon"}
+    assert {"blocks.0.p.w2d", "blocks.0.p.slab", "blocks.0.p.lead1"} <= muon
+    _assert_matches_loop(ref["start"], got, ref["end"], label)
+    for rank in range(1, world):
+        _assert_exact(_owner(owner_runs, world, rank)[f"{label}/1/end"], got)
+
+
+@pytest.mark.parametrize("world", OWNER_WORLDS)
+def test_fsdp2_owner_plan_and_transport(owner_runs: dict[int, _Run], world: int) -> None:
+    """One plan on every rank; each matrix owned once; the two all-to-alls move bits unchanged."""
+    res = _owner(owner_runs, world)
+    for label in OWNER_OPTIONS:
+        for copies in OWNER_COPIES:
+            key = f"{label}/{copies}"
+            plans = res[f"{key}/plans"]
+            assert len(plans) == world and all(p == plans[0] for p in plans)
+            owned = res[f"{key}/owned"]
+            assert sorted(i for ids in owned for i in ids) == list(range(res[f"{key}/num_matrices"]))
+            load = res[f"{key}/load"]
+            assert max(load) <= 2 * sum(load) / world  # balanced (greedy longest-first)
+            for rank in range(world):
+                r = _owner(owner_runs, world, rank)
+                assert r[f"{key}/transport_owned_exact"] and r[f"{key}/transport_back_exact"], (key, rank)
+                assert [kind for kind, _ in r[f"{key}/transport_trace"]] == ["all_to_all", "all_to_all"]
+
+
+@pytest.mark.parametrize("world", OWNER_WORLDS)
+def test_fsdp2_owner_nan_skips_every_rank(owner_runs: dict[int, _Run], world: int) -> None:
+    """A NaN in the last rank's shard of one matrix: no parameter moves on any rank."""
+    res = _owner(owner_runs, world)
+    for label in OWNER_OPTIONS:
+        for copies in OWNER_COPIES:
+            assert res[f"{label}/{copies}/moved_in_nan_step"] == [], (label, copies)
+
+
+@pytest.mark.parametrize("world", OWNER_WORLDS)
+def test_fsdp2_owner_collectives(owner_runs: dict[int, _Run], world: int) -> None:
+    """Every rank issues the same collectives; their number does not grow with the parameters.
+
+    Per step and param_group: the gate all-reduce, Magma's all-reduce, two all-to-alls.
+    """
+    res = _owner(owner_runs, world)
+    for label in OWNER_OPTIONS:
+        kinds = {}
+        for copies in OWNER_COPIES:
+            traces = res[f"{label}/{copies}/traces"]
+            assert all(t == traces[0] for t in traces), (label, copies)  # same on every rank, sizes too
+            kinds[copies] = [[kind for kind, _ in step] for step in traces[0]]
+            assert all(step == ["all_reduce", "all_reduce", "all_to_all", "all_to_all"] for step in kinds[copies])
+        assert kinds[OWNER_COPIES[0]] == kinds[OWNER_COPIES[-1]]

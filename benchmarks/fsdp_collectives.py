@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Collectives and time of one HybridMuon step under FSDP2, on CPU gloo ranks.
+
+Builds the model of a deepmd input (default: the shared DPA-2 small water config), shards
+it with ``fully_shard`` on ``--world`` gloo ranks, gives it seeded gradients and reports,
+for one ``step()`` after ``--warmup`` steps: the process-group collectives it issued
+(counted with the torch profiler: every ``c10d::`` op, whoever calls it) and the mean step
+time over ``--steps`` steps, next to the step time of the same model in one process.
+
+Usage::
+
+    OMP_NUM_THREADS=1 python benchmarks/fsdp_collectives.py --world 2
+    PYTHONPATH=<other checkout> python benchmarks/fsdp_collectives.py   # another version
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+#: As benchmarks/train_speed.py: the shared inputs next to the checkout (CI: ../shared).
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "configs" / "dpa2_small_water.json"
+
+
+def _model(config: str) -> torch.nn.Module:
+    from deepmd.pt.model.model import get_model
+    from deepmd.utils.argcheck import normalize
+    from deepmd.utils.compat import update_deepmd_input
+
+    jdata = json.loads(Path(config).read_text())
+    jdata.pop("optimizer", None)
+    jdata = normalize(update_deepmd_input(jdata, warning=False))
+    model = get_model(jdata["model"]).to(torch.float32)
+    for p in model.parameters():
+        if p.numel() == 0:
+            p.requires_grad_(False)
+    return model
+
+
+def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=gen) for p in params]
+
+
+def _optimizer(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+    from deepmd_hybridmuon import HybridMuonOptimizer
+
+    return HybridMuonOptimizer([p for _, p in named], named_parameters=named, lr=1e-3)
+
+
+def _time_steps(named, opt, args, shard) -> tuple[float, collections.Counter]:
+    from torch.profiler import ProfilerActivity, profile
+
+    params = [p for _, p in named]
+    for k in range(args.warmup):
+        shard(params, _grads(params, k))
+        opt.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        shard(params, _grads(params, args.warmup))
+        opt.step()
+    calls = collections.Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))
+    total = 0.0
+    for k in range(args.steps):
+        shard(params, _grads(params, k))
+        start = time.perf_counter()
+        opt.step()
+        total += time.perf_counter() - start
+    return total / args.steps, calls
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world, timeout=timedelta(seconds=300)
+    )
+    try:
+        model = _model(args.config)
+        fully_shard(model, mesh=init_device_mesh("cpu", (args.world,)))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+        def shard(params, grads):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+
+        seconds, calls = _time_steps(named, _optimizer(named), args, shard)
+        if rank == 0:
+            Path(out).write_text(json.dumps({"seconds": seconds, "calls": dict(calls)}))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    import torch.multiprocessing as mp
+
+    model = _model(args.config)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    muon = sum(1 for r in _optimizer(named).routing_table() if r["route"] == "muon" for _ in range(r["view"][0]))
+
+    def plain(params, grads):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+    single, _ = _time_steps(named, _optimizer(named), args, plain)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = f"/tmp/fsdp_collectives.{os.getpid()}.json"
+    mp.start_processes(_worker, args=(port, args, out), nprocs=args.world, start_method="spawn")
+    result = json.loads(Path(out).read_text())
+    os.unlink(out)
+    print(f"model {Path(args.config).stem}: {len(named)} trainable parameters, {muon} Muon matrices")
+    print(f"one process: {single * 1e3:.1f} ms/step")
+    print(
+        f"FSDP2 on {args.world} gloo ranks: {result['seconds'] * 1e3:.1f} ms/step ({result['seconds'] / single:.2f}x)"
+    )
+    print(f"collectives in one step (rank 0): {sum(result['calls'].values())} {result['calls']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
