@@ -303,13 +303,13 @@ ZERO_STAGES: dict[int, tuple[str, str]] = {
     ),
     2: (
         "FSDP2",
-        "DTensor shards of parameters and gradients: the per-parameter loop, each Muon matrix gathered whole for "
-        "Newton-Schulz and Magma; no flat engine, no Triton kernels",
+        "DTensor shards: elementwise work (Adam, momentum, decay) on the local shards; each Muon matrix "
+        "orthogonalised once, on one owner rank (four collectives per step); no Triton kernels",
     ),
     3: (
         "FSDP2",
-        "DTensor shards, parameters resharded after the forward: the per-parameter loop, each Muon matrix gathered "
-        "whole for Newton-Schulz and Magma; no flat engine, no Triton kernels",
+        "DTensor shards, parameters resharded after the forward: elementwise work on the local shards; each Muon "
+        "matrix orthogonalised once, on one owner rank (four collectives per step); no Triton kernels",
     ),
 }
 

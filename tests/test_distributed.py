@@ -814,7 +814,7 @@ def _owner_reference(options: dict) -> dict:
     net = _Synthetic(1)
     named = list(net.named_parameters())
     params = [p for _, p in named]
-    opt = HybridMuonOptimizer(params, named_parameters=named, lr=LR, batched=False, **options)
+    opt = make_optimizer(params, "loop", named_parameters=named, lr=LR, **options)
     start = _snapshot(named)
     for k in range(OWNER_STEPS):
         for p, g in zip(params, _owner_grads(named, k), strict=True):
