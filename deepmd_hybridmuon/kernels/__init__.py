@@ -1,6 +1,6 @@
 """Triton kernels of the flat engine: Newton–Schulz and Magma in a few launches per step.
 
-The flat engine (``flat.py``) uses this package when ``flash_muon`` is on and Triton can run
+The batched engine (:mod:`deepmd_hybridmuon.engine`) uses this package when ``flash_muon`` is on and Triton can run
 (CUDA, or Triton's CPU interpreter under ``TRITON_INTERPRET=1``). The per-tensor loop in
 ``optimizer.py`` and the functions of :mod:`deepmd_hybridmuon.functional` stay the
 specification; these kernels compute the same functions (``newton_schulz``,

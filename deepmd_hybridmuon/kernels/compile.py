@@ -48,7 +48,7 @@ log = logging.getLogger("deepmd.hybridmuon")
 # first step, the engine asks :func:`prepare` for the variants it needs; missing ones
 # compile in a child process (:func:`compile_worker`) while the engine steps with the
 # torch path. Once the child has exited, the training process loads the variants from
-# Triton's disk cache (milliseconds) and the engine switches to the kernels (flat.py).
+# Triton's disk cache (milliseconds) and the engine switches to the kernels (engine/).
 #
 # Why a process and not a thread: Triton compiles in native code (LLVM, ptxas). A
 # daemon thread still inside it when the interpreter shuts down is ended by
