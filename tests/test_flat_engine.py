@@ -9,28 +9,14 @@ import pytest
 import torch
 from conftest import make_optimizer
 from test_parity import ADAM_TOL, TORCH_MUON_TOL
+from test_parity import SHAPES as PARITY_SHAPES
 
 from deepmd_hybridmuon import HybridMuonOptimizer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-# Shapes of the kinds DeePMD models have: embedding and fitting matrices (square, wide, tall),
-# 3-D stacks, size-1 dimensions, biases, adam_/adamw_ names, a size-0 tensor.
-SHAPES = {
-    "emb.layers.0.matrix": (1, 25),
-    "emb.layers.1.matrix": (25, 50),
-    "emb.layers.2.matrix": (50, 40),
-    "emb.layers.2.bias": (40,),
-    "fit.layers.0.matrix": (96, 24),
-    "fit.layers.1.matrix": (24, 24),
-    "fit.layers.1.idt": (24,),
-    "fit.layers.2.matrix": (24, 1),
-    "rep.linear.weight": (3, 16, 20),
-    "rep.gate.weight": (2, 1, 16, 8),
-    "rep.norm.adam_scale": (32, 4),
-    "rep.ls.adamw_gamma": (16, 16),
-    "compress.0": (0,),
-}
+# The parity table's shapes without its never-differentiated matrix: here every parameter gets a gradient.
+SHAPES = {k: v for k, v in PARITY_SHAPES.items() if k != "frozen.matrix"}
 
 
 def _params(dtype: torch.dtype, device: str) -> dict[str, torch.nn.Parameter]:
