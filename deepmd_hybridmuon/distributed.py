@@ -414,14 +414,6 @@ def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
     torch._foreach_copy_(targets, [c.view(t.shape) for c, t in zip(chunks, targets, strict=True)])
 
 
-def _magma_raw_from_sums(dot: torch.Tensor, mm: torch.Tensor, gg: torch.Tensor) -> torch.Tensor:
-    """:func:`functional.magma_raw_score` from whole-matrix sums ``m·g``, ``m·m``, ``g·g`` (float32)."""
-    denom = (mm.sqrt() * gg.sqrt()).clamp(min=F.MAGMA_EPS)
-    cos = (dot / denom).clamp(-1.0, 1.0)
-    s = torch.sigmoid(cos / F.MAGMA_TAU)
-    return ((s - F.MAGMA_SIGMOID_LOW) / (F.MAGMA_SIGMOID_HIGH - F.MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
-
-
 # ----------------------------------------------------------------------------- step
 
 
@@ -592,7 +584,7 @@ def _muon(
             sums.index_copy_(0, ex.segment_matrix, pieces)
         _collective("all_reduce", (sums.numel(),), dist.all_reduce, sums, op=dist.ReduceOp.SUM, group=pg)
         flat_score = _flat(scores)
-        damp = F.magma_scale_(flat_score, _magma_raw_from_sums(sums[:, 0], sums[:, 1], sums[:, 2]), ok)
+        damp = F.magma_scale_(flat_score, F.magma_score(sums[:, 0], sums[:, 1].sqrt(), sums[:, 2].sqrt()), ok)
         _write_back(scores, flat_score)
 
     # The transport dtype holds the update and every delta exactly (bfloat16/float16 ->
