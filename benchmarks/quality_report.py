@@ -1,0 +1,212 @@
+"""``train_quality.py report``: markdown tables and learning-curve plots of train_quality results files."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import error_columns, load_results
+
+
+def _mean_sd(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    vals = [v * scale for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return ""
+    m = statistics.fmean(vals)
+    if len(vals) == 1:
+        return fmt.format(m)
+    return f"{fmt.format(m)} ± {fmt.format(statistics.stdev(vals))}"
+
+
+def _at_fraction(lc: dict[str, list[float]], col: str, steps: int, frac: float) -> float | None:
+    """The lcurve value at the point nearest to ``frac * steps``."""
+    if not lc or col not in lc or not lc["step"]:
+        return None
+    target = frac * steps
+    i = min(range(len(lc["step"])), key=lambda j: (abs(lc["step"][j] - target), -lc["step"][j]))
+    return lc[col][i]
+
+
+def _final(lc: dict[str, list[float]] | None, col: str) -> float | None:
+    if not lc or col not in lc or not lc[col]:
+        return None
+    return lc[col][-1]
+
+
+def collect(paths: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """All runs of the files; a later file replaces a run of the same config/label/seed unless only the older is ok."""
+    runs: dict[tuple, dict[str, Any]] = {}
+    metas = []
+    for p in paths:
+        data = load_results(p)
+        metas.append({"file": str(p), "machine": data.get("machine"), "invocations": data.get("invocations")})
+        for r in data["runs"]:
+            key = (r["config"], r["label"], r["seed"])
+            if key not in runs or r.get("ok") or not runs[key].get("ok"):
+                runs[key] = r
+    return list(runs.values()), metas
+
+
+def report_table(runs: list[dict[str, Any]]) -> str:
+    labels: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        labels.setdefault(r["label"], []).append(r)
+    has_test = any(r.get("test") and "rmse_f" in r["test"] for r in runs)
+    head = [
+        "optimizer",
+        "seeds",
+        "steps",
+        "start_lr",
+        "val F RMSE final (meV/Å)",
+        "val E RMSE final (meV/atom)",
+        "val F @25% (meV/Å)",
+        "val F @50% (meV/Å)",
+    ]
+    if has_test:
+        head += ["test F RMSE (meV/Å)", "test E RMSE (meV/atom)"]
+    head += ["s/batch", "wall s", "notes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 2) + ["---"]) + "|"]
+    for label, rs in labels.items():
+        rs = sorted(rs, key=lambda r: r["seed"])
+        good = [r for r in rs if r.get("lcurve") and r["lcurve"].get("step")]
+        sec = rs[0].get("optimizer_section") or {}
+        name = label if rs[0]["optimizer"] != "adam" else f"{label} ({sec.get('type', '?')})"
+        steps = sorted({r["steps"] for r in rs})
+        lrs = sorted({r["start_lr"] for r in rs})
+        cells = [
+            name,
+            ",".join(str(r["seed"]) for r in rs),
+            ",".join(map(str, steps)),
+            ",".join(f"{x:g}" for x in lrs),
+            _mean_sd([_final(r["lcurve"], "rmse_f_val") for r in good], 1e3),
+            _mean_sd([_final(r["lcurve"], "rmse_e_val") for r in good], 1e3),
+            _mean_sd([_at_fraction(r["lcurve"], "rmse_f_val", r["steps"], 0.25) for r in good], 1e3),
+            _mean_sd([_at_fraction(r["lcurve"], "rmse_f_val", r["steps"], 0.5) for r in good], 1e3),
+        ]
+        if has_test:
+            tests = [r["test"] for r in rs if r.get("test")]
+            cells += [
+                _mean_sd([t.get("rmse_f") for t in tests], 1e3),
+                _mean_sd([t.get("rmse_e_per_atom") for t in tests], 1e3),
+            ]
+        cells += [
+            _mean_sd([r.get("s_per_batch") for r in rs], fmt="{:.4f}"),
+            _mean_sd([r.get("wall_s") for r in rs], fmt="{:.0f}"),
+        ]
+        notes = []
+        for r in rs:
+            notes += [f"seed {r['seed']}: {p}" for p in r.get("problems", [])]
+        if rs[0]["optimizer"] in ("ours", "builtin"):
+            seen = sum(bool(r.get("plugin_log_line_seen")) for r in rs)
+            notes.append(f"plugin line in {seen}/{len(rs)} logs")
+        if any(r.get("hm_kw") for r in rs):
+            notes.append("kw " + ", ".join(f"{k}={v}" for k, v in rs[0]["hm_kw"].items()))
+        cells.append("; ".join(notes).replace("|", "/") or "ok")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_config(config: str, runs: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    colors = {lab: f"C{i % 10}" for i, lab in enumerate(labels)}
+    # Identical curves (ours and builtin can coincide) stay visible: earlier labels are drawn
+    # thicker and underneath, with their own marker.
+    markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
+    marker = {lab: markers[i % len(markers)] for i, lab in enumerate(labels)}
+    width = {lab: max(1.0, 3.2 - 0.9 * i) for i, lab in enumerate(labels)}
+    seeds = sorted({r["seed"] for r in runs})
+    styles = ["-", "--", ":", "-."]
+    seed_style = {s: styles[i % len(styles)] for i, s in enumerate(seeds)}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
+    panels = [("rmse_f_val", "validation force RMSE (meV/Å)"), ("rmse_e_val", "validation energy RMSE (meV/atom)")]
+    for ax, (col, title) in zip(axes, panels, strict=True):
+        for r in sorted(runs, key=lambda r: (labels.index(r["label"]), r["seed"])):
+            lc = r.get("lcurve") or {}
+            if col not in lc or not lc["step"]:
+                continue
+            pts = [(s, v * 1e3) for s, v in zip(lc["step"], lc[col], strict=True) if v > 0 and math.isfinite(v)]
+            if not pts:
+                continue
+            xs = [x for x, _ in pts]
+            ys = [y for _, y in pts]
+            ax.plot(
+                xs,
+                ys,
+                color=colors[r["label"]],
+                linestyle=seed_style[r["seed"]],
+                marker=marker[r["label"]],
+                markersize=width[r["label"]] + 2,
+                linewidth=width[r["label"]],
+                alpha=0.85,
+                label=f"{r['label']} seed {r['seed']}" + ("" if r.get("ok") else " (!)"),
+            )
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    steps = sorted({r["steps"] for r in runs})
+    fig.suptitle(f"{config}: validation RMSE vs step ({','.join(map(str, steps))} steps, exp lr decay to start/30)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def same_start_check(runs: list[dict[str, Any]]) -> str:
+    """Whether the runs of each seed start alike: same step-1 training RMSE (same initial model, same batch)."""
+    out = []
+    for seed in sorted({r["seed"] for r in runs}):
+        firsts = {}
+        for r in runs:
+            lc = r.get("lcurve") or {}
+            if r["seed"] == seed and lc.get("step") and lc["step"][0] == 1 and "rmse_trn" in lc:
+                firsts[r["label"]] = lc["rmse_trn"][0]
+        if len(firsts) < 2:
+            continue
+        if len(set(firsts.values())) == 1:
+            out.append(f"seed {seed}: same ({next(iter(firsts.values())):.3g})")
+        else:
+            out.append(f"seed {seed}: DIFFERENT (" + ", ".join(f"{k} {v:.3g}" for k, v in firsts.items()) + ")")
+    if not out:
+        return ""
+    return "step-1 training rmse (initial model on the first batch) across optimizers: " + "; ".join(out)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    runs, metas = collect(args.results)
+    if not runs:
+        raise SystemExit("no runs in the results files")
+    by_config: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_config.setdefault(r["config"], []).append(r)
+    print("# Training quality: deepmd-hybridmuon (ours) vs built-in HybridMuon vs Adam(W)\n")
+    for m in metas:
+        mach = m.get("machine") or {}
+        gpu = mach.get("gpu") or "no GPU seen"
+        print(f"- {m['file']}: {mach.get('hostname', '?')}, {gpu}, versions {mach.get('versions')}")
+    print(
+        "- val = lcurve's rmse on validation batches at the last point; @25%/@50% = lcurve point nearest to"
+        " that fraction of the steps; test = `dp test` of the final checkpoint on the whole validation"
+        " system; energy RMSE is per atom (deepmd lcurve convention); values are mean ± sample sd over seeds\n"
+    )
+    for config, rs in by_config.items():
+        print(f"## {config}\n")
+        print(report_table(rs))
+        print()
+        if check := same_start_check(rs):
+            print(f"{check}\n")
+        if args.plots:
+            png = plot_config(config, rs, args.plots / f"quality_{config}.png")
+            print(f"![{config} learning curves]({png})\n")
+    return 0
