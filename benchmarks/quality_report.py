@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import error_columns, load_results
+from common import ERROR_COLUMNS, load_results
 
 
 def _mean_sd(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
@@ -23,9 +23,15 @@ def _mean_sd(values: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> st
     return f"{fmt.format(m)} ± {fmt.format(statistics.stdev(vals))}"
 
 
+def _complete(r: dict[str, Any]) -> bool:
+    """Whether the run's lcurve reaches its last step (a crashed or timed-out run's may stop early)."""
+    lc = r.get("lcurve") or {}
+    return bool(lc.get("step")) and lc["step"][-1] >= r["steps"]
+
+
 def _at_fraction(lc: dict[str, list[float]], col: str, steps: int, frac: float) -> float | None:
-    """The lcurve value at the point nearest to ``frac * steps``."""
-    if not lc or col not in lc or not lc["step"]:
+    """The lcurve value at the point nearest to ``frac * steps`` (None if the lcurve stops before)."""
+    if not lc or col not in lc or not lc["step"] or lc["step"][-1] < frac * steps:
         return None
     target = frac * steps
     i = min(range(len(lc["step"])), key=lambda j: (abs(lc["step"][j] - target), -lc["step"][j]))
@@ -36,6 +42,61 @@ def _final(lc: dict[str, list[float]] | None, col: str) -> float | None:
     if not lc or col not in lc or not lc[col]:
         return None
     return lc[col][-1]
+
+
+def _by_label(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    labels: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        labels.setdefault(r["label"], []).append(r)
+    return {k: sorted(v, key=lambda r: r["seed"]) for k, v in labels.items()}
+
+
+def config_columns(runs: list[dict[str, Any]]) -> tuple[str, str, str] | None:
+    """(force, energy, ``RMSE``/``MAE``) validation columns of a config's lcurves: RMSE where any run has them."""
+    for force, energy, kind in ERROR_COLUMNS:
+        if any(force in (r.get("lcurve") or {}) for r in runs):
+            return force, energy, kind
+    return None
+
+
+def adamw_target(runs: list[dict[str, Any]], force: str) -> tuple[str, float, int] | None:
+    """(label, mean final validation force error, runs) of the best Adam(W) label with complete lcurves."""
+    best = None
+    for label, rs in _by_label(runs).items():
+        if rs[0]["optimizer"] != "adam":
+            continue
+        finals = [_final(r["lcurve"], force) for r in rs if _complete(r)]
+        finals = [v for v in finals if v is not None and math.isfinite(v)]
+        if finals and (best is None or statistics.fmean(finals) < best[1]):
+            best = (label, statistics.fmean(finals), len(finals))
+    return best
+
+
+def steps_to(lc: dict[str, list[float]] | None, col: str, target: float) -> int | None:
+    """The first lcurve step whose ``col`` is at or below ``target``, or None."""
+    if not lc or col not in lc:
+        return None
+    return next((s for s, v in zip(lc["step"], lc[col], strict=True) if v <= target), None)
+
+
+def _reach_cell(rs: list[dict[str, Any]], force: str, target: float) -> str:
+    """Mean steps (and training seconds, steps x s/batch) to ``target`` over the runs with an lcurve."""
+    tried = [r for r in rs if force in (r.get("lcurve") or {})]
+    if not tried:
+        return ""
+    hits = [(steps_to(r["lcurve"], force, target), r.get("s_per_batch")) for r in tried]
+    hits = [(n, spb) for n, spb in hits if n is not None]
+    count = "" if len(hits) == len(tried) else f" [{len(hits)}/{len(tried)} runs]"
+    if not hits:
+        return f"not reached{count}"
+    steps = statistics.fmean(n for n, _ in hits)
+    secs = [n * spb for n, spb in hits if spb]
+    time = f" ({statistics.fmean(secs):.0f} s)" if secs else ""
+    return f"{steps:.0f}{time}{count}"
+
+
+def _short(problem: str, width: int = 140) -> str:
+    return problem if len(problem) <= width else problem[: width - 1] + "…"
 
 
 def collect(paths: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -53,27 +114,50 @@ def collect(paths: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any
 
 
 def report_table(runs: list[dict[str, Any]]) -> str:
-    labels: dict[str, list[dict[str, Any]]] = {}
-    for r in runs:
-        labels.setdefault(r["label"], []).append(r)
+    """The markdown table of one config's runs, one row per optimizer label, and a line on its AdamW target."""
+    cols = config_columns(runs)
+    force, energy, kind = cols or ("rmse_f_val", "rmse_e_val", "RMSE")
+    target = adamw_target(runs, force)
     has_test = any(r.get("test") and "rmse_f" in r["test"] for r in runs)
     head = [
         "optimizer",
         "seeds",
+        "ok",
         "steps",
         "start_lr",
-        "val F RMSE final (meV/Å)",
-        "val E RMSE final (meV/atom)",
-        "val F @25% (meV/Å)",
-        "val F @50% (meV/Å)",
+        f"val F {kind} final (meV/Å)",
+        f"val E {kind} final (meV/atom)",
+        f"val F {kind} @25% (meV/Å)",
+        f"val F {kind} @50% (meV/Å)",
     ]
+    if target:
+        head.append(f"steps (train s) to AdamW's val F {kind}")
     if has_test:
         head += ["test F RMSE (meV/Å)", "test E RMSE (meV/atom)"]
     head += ["s/batch", "wall s", "notes"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 2) + ["---"]) + "|"]
-    for label, rs in labels.items():
-        rs = sorted(rs, key=lambda r: r["seed"])
-        good = [r for r in rs if r.get("lcurve") and r["lcurve"].get("step")]
+    lines = []
+    if kind == "MAE":
+        norms = {bool((r.get("loss") or {}).get("f_use_norm")) for r in runs if r.get("loss") is not None}
+        how = {
+            frozenset({True}): "these runs set it: val F MAE is the mean norm |ΔF| of the per-atom force error",
+            frozenset({False}): "these runs do not set it: val F MAE is over force components",
+        }.get(frozenset(norms), "the results files do not record whether they set it")
+        lines.append(
+            "The lcurves have deepmd's MAE columns (loss_func mae), no RMSE ones; with f_use_norm deepmd's"
+            f" mae_f is the mean norm of the per-atom force error vector, not a per-component MAE ({how}).\n"
+        )
+    if target:
+        label, value, n = target
+        lines += [
+            f"AdamW's val F {kind}: {value * 1e3:.2f} meV/Å, the final value of {label} (mean of {n} complete "
+            f"run{'s' if n > 1 else ''}, the best Adam(W) label); steps to reach it = first lcurve point at or "
+            f"below it (so in steps of disp_freq), train s = those steps times the run's s/batch (deepmd's average: "
+            f"no start-up, no validation); [k/n runs] where not every run got there\n"
+        ]
+    lines += ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 2) + ["---"]) + "|"]
+    for label, rs in _by_label(runs).items():
+        full = [r for r in rs if _complete(r)]
+        partial = [r for r in rs if (r.get("lcurve") or {}).get("step")]
         sec = rs[0].get("optimizer_section") or {}
         name = label if rs[0]["optimizer"] != "adam" else f"{label} ({sec.get('type', '?')})"
         steps = sorted({r["steps"] for r in rs})
@@ -81,13 +165,16 @@ def report_table(runs: list[dict[str, Any]]) -> str:
         cells = [
             name,
             ",".join(str(r["seed"]) for r in rs),
+            f"{sum(bool(r.get('ok')) for r in rs)}/{len(rs)}",
             ",".join(map(str, steps)),
             ",".join(f"{x:g}" for x in lrs),
-            _mean_sd([_final(r["lcurve"], "rmse_f_val") for r in good], 1e3),
-            _mean_sd([_final(r["lcurve"], "rmse_e_val") for r in good], 1e3),
-            _mean_sd([_at_fraction(r["lcurve"], "rmse_f_val", r["steps"], 0.25) for r in good], 1e3),
-            _mean_sd([_at_fraction(r["lcurve"], "rmse_f_val", r["steps"], 0.5) for r in good], 1e3),
+            _mean_sd([_final(r["lcurve"], force) for r in full], 1e3),
+            _mean_sd([_final(r["lcurve"], energy) for r in full], 1e3),
+            _mean_sd([_at_fraction(r["lcurve"], force, r["steps"], 0.25) for r in partial], 1e3),
+            _mean_sd([_at_fraction(r["lcurve"], force, r["steps"], 0.5) for r in partial], 1e3),
         ]
+        if target:
+            cells.append(_reach_cell(rs, force, target[1]))
         if has_test:
             tests = [r["test"] for r in rs if r.get("test")]
             cells += [
@@ -100,7 +187,7 @@ def report_table(runs: list[dict[str, Any]]) -> str:
         ]
         notes = []
         for r in rs:
-            notes += [f"seed {r['seed']}: {p}" for p in r.get("problems", [])]
+            notes += [f"seed {r['seed']}: {_short(p)}" for p in r.get("problems", [])]
         if rs[0]["optimizer"] in ("ours", "builtin"):
             seen = sum(bool(r.get("plugin_log_line_seen")) for r in rs)
             notes.append(f"plugin line in {seen}/{len(rs)} logs")
@@ -128,7 +215,8 @@ def plot_config(config: str, runs: list[dict[str, Any]], out: Path) -> Path:
     styles = ["-", "--", ":", "-."]
     seed_style = {s: styles[i % len(styles)] for i, s in enumerate(seeds)}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
-    panels = [("rmse_f_val", "validation force RMSE (meV/Å)"), ("rmse_e_val", "validation energy RMSE (meV/atom)")]
+    force, energy, kind = config_columns(runs) or ERROR_COLUMNS[0]
+    panels = [(force, f"validation force {kind} (meV/Å)"), (energy, f"validation energy {kind} (meV/atom)")]
     for ax, (col, title) in zip(axes, panels, strict=True):
         for r in sorted(runs, key=lambda r: (labels.index(r["label"]), r["seed"])):
             lc = r.get("lcurve") or {}
@@ -156,7 +244,9 @@ def plot_config(config: str, runs: list[dict[str, Any]], out: Path) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     steps = sorted({r["steps"] for r in runs})
-    fig.suptitle(f"{config}: validation RMSE vs step ({','.join(map(str, steps))} steps, exp lr decay to start/30)")
+    schedules = sorted({r.get("lr_schedule", "exp") for r in runs})
+    lr = "exp lr decay to start/30" if schedules == ["exp"] else f"lr schedule {','.join(schedules)}"
+    fig.suptitle(f"{config}: validation {kind} vs step ({','.join(map(str, steps))} steps, {lr})")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -191,14 +281,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     for r in runs:
         by_config.setdefault(r["config"], []).append(r)
     print("# Training quality: deepmd-hybridmuon (ours) vs built-in HybridMuon vs Adam(W)\n")
+    machines: dict[str, list[str]] = {}  # files of the same machine and versions on one line
     for m in metas:
         mach = m.get("machine") or {}
         gpu = mach.get("gpu") or "no GPU seen"
-        print(f"- {m['file']}: {mach.get('hostname', '?')}, {gpu}, versions {mach.get('versions')}")
+        where = f"{mach.get('hostname', '?')}, {gpu}, versions {mach.get('versions')}"
+        machines.setdefault(where, []).append(m["file"])
+    for mach, files in machines.items():
+        names = ", ".join(files) if len(files) <= 3 else f"{len(files)} files, {files[0]} ... {files[-1]}"
+        print(f"- {names}: {mach}")
     print(
-        "- val = lcurve's rmse on validation batches at the last point; @25%/@50% = lcurve point nearest to"
-        " that fraction of the steps; test = `dp test` of the final checkpoint on the whole validation"
-        " system; energy RMSE is per atom (deepmd lcurve convention); values are mean ± sample sd over seeds\n"
+        "- val = lcurve's rmse (mae for inputs trained with loss_func mae: the column headers say which) on"
+        " validation batches; final = last point of the runs whose lcurve reaches the last step; @25%/@50% ="
+        " lcurve point nearest to that fraction of the steps; test = `dp test` RMSE of the final checkpoint on"
+        " the whole validation system; energy errors are per atom (deepmd lcurve convention); values are"
+        " mean ± sample sd over seeds; ok = runs without problems (failed runs: see notes)\n"
     )
     for config, rs in by_config.items():
         print(f"## {config}\n")

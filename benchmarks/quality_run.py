@@ -221,6 +221,7 @@ def run_one(
         "lr_schedule": cfg["learning_rate"].get("type", "exp"),
         "valid_batches": args.valid_batches,
         "optimizer_section": cfg["optimizer"],
+        "loss": cfg.get("loss"),  # the lcurve's columns depend on it (loss_func mae: mae_*)
         "hm_kw": {k: repr(v) for k, v in hm_kw.items()} if optimizer in ("ours", "builtin") else {},
         "env": {DISABLE_ENV: "1"} if optimizer == "builtin" else {},
         "input_digest": digest,
