@@ -29,6 +29,13 @@ plots can be made elsewhere:
 ``report``
     Reads one or more results JSON files, prints a markdown table per config and writes
     learning curves (validation force and energy RMSE vs step) as ``quality_<config>.png``.
+    Inputs trained with ``loss_func: mae`` (DPA-4's example) have ``mae_*`` lcurve columns and
+    no ``rmse_*`` ones: their tables and plots show those, labelled MAE. Each table also gives
+    the steps (and training seconds, steps x s/batch) each optimizer needs to reach the final
+    validation force error of the best Adam(W) label.
+
+The code: ``quality_run.py`` (run), ``quality_report.py`` (report), ``common.py`` (shared
+with the other benchmarks); this file is the command line.
 
 Units: deepmd's lcurve ``rmse_e_*`` is the energy RMSE divided by the number of atoms
 (``rmse_e = sqrt(mean((E - E_ref)^2)) / natoms`` in ``deepmd/pt/loss/ener.py``), i.e. eV/atom;
