@@ -15,7 +15,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import shlex
 import subprocess
@@ -25,7 +24,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_speed import DEFAULT_CONFIG_DIR, make_input, parse_log, prepare_run, resolve_config
+from common import (
+    DEFAULT_CONFIG_DIR,
+    NO_MULTICAST_ENV,
+    command_line,
+    find_dp,
+    parse_log,
+    prepare_run,
+    resolve_config,
+    timing_input,
+    torchrun_dp,
+    utc_now,
+)
 
 READY_MARK = "Triton kernels ready"
 COMPILING_MARK = "Triton kernels compile in the background"
@@ -51,23 +61,22 @@ def main() -> int:
     config = json.loads(config_path.read_text())
     config.setdefault("training", {})["zero_stage"] = args.zero_stage
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="cold_exit_"))).resolve()
-    dp = str(Path(sys.executable).with_name("dp")) if Path(sys.executable).with_name("dp").exists() else "dp"
-    cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.gpus}", dp, "--pt", "train", "input.json"]
-    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = [*torchrun_dp(args.gpus, find_dp()), "--pt", "train", "input.json"]
+    date = utc_now(seconds=False)
     title = f"{config_path.name}, {args.steps} steps, {args.gpus} rank(s), zero_stage {args.zero_stage}"
     print(f"# cold-cache exits: {title}")
-    print(f"- date: {date}\n- command: `{shlex.join([sys.executable, *sys.argv])}`\n- each run: `{shlex.join(cmd)}`\n")
+    print(f"- date: {date}\n- command: `{command_line()}`\n- each run: `{shlex.join(cmd)}`\n")
     print("| run | exit | wall (s) | kernels ready before the end | compile processes left |")
     print("|---:|---:|---:|---|---:|")
     failures = 0
     for i in range(args.runs):
         rundir = workdir / f"run{i}"
-        cfg = make_input(
+        cfg = timing_input(
             config, config_path, "ours", steps=args.steps, disp_freq=20, stat_file=workdir / "stat.hdf5", opt_kw={}
         )
         env = prepare_run(rundir, cfg, builtin=False)
         env["TRITON_CACHE_DIR"] = str(rundir / "triton_cache")  # empty: every kernel compiles
-        env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        env.update(NO_MULTICAST_ENV)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=rundir, env=env, capture_output=True, text=True, timeout=900, check=False)
         wall = time.perf_counter() - t0

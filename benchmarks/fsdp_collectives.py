@@ -27,19 +27,14 @@ from pathlib import Path
 
 import torch
 
-#: As benchmarks/train_speed.py: the shared inputs next to the checkout (CI: ../shared).
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "configs" / "dpa2_small_water.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_CONFIG_DIR, build_model
+
+DEFAULT_CONFIG = DEFAULT_CONFIG_DIR / "dpa2_small_water.json"
 
 
 def _model(config: str) -> torch.nn.Module:
-    from deepmd.pt.model.model import get_model
-    from deepmd.utils.argcheck import normalize
-    from deepmd.utils.compat import update_deepmd_input
-
-    jdata = json.loads(Path(config).read_text())
-    jdata.pop("optimizer", None)
-    jdata = normalize(update_deepmd_input(jdata, warning=False))
-    model = get_model(jdata["model"]).to(torch.float32)
+    model = build_model(Path(config)).to(torch.float32)
     for p in model.parameters():
         if p.numel() == 0:
             p.requires_grad_(False)

@@ -16,7 +16,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import shlex
@@ -29,22 +28,27 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_speed import DEFAULT_CONFIG_DIR, make_input, parse_log, resolve_config
-
-
-def _dp() -> str:
-    here = Path(sys.executable).with_name("dp")
-    return str(here) if here.exists() else "dp"
+from common import (
+    DEFAULT_CONFIG_DIR,
+    NO_MULTICAST_ENV,
+    command_line,
+    find_dp,
+    parse_lcurve,
+    parse_log,
+    resolve_config,
+    timing_input,
+    torchrun_dp,
+    utc_now,
+    write_json,
+)
 
 
 def _run(workdir: Path, config: dict[str, Any], gpus: int) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "input.json").write_text(json.dumps(config, indent=1))
-    if gpus == 1:
-        cmd = [_dp(), "--pt", "train", "input.json"]
-    else:
-        cmd = ["torchrun", "--standalone", f"--nproc_per_node={gpus}", _dp(), "--pt", "train", "input.json"]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    dp = find_dp()
+    cmd = [*(dp if gpus == 1 else torchrun_dp(gpus, dp)), "--pt", "train", "input.json"]
+    env = {**os.environ, **NO_MULTICAST_ENV}
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, timeout=1200)
     log = proc.stdout + proc.stderr
     (workdir / "train.log").write_text(log)
@@ -52,9 +56,8 @@ def _run(workdir: Path, config: dict[str, Any], gpus: int) -> dict[str, Any]:
     if proc.returncode != 0:
         out["error"] = [line for line in log.splitlines() if line.strip()][-5:]
         return out
-    curve = np.atleast_2d(np.loadtxt(workdir / "lcurve.out"))
-    names = open(workdir / "lcurve.out").readline().lstrip("#").split()
-    out["final"] = dict(zip(names, curve[-1].tolist(), strict=False))
+    curve = parse_lcurve(workdir / "lcurve.out") or {}
+    out["final"] = {name: values[-1] for name, values in curve.items() if values}
     return out
 
 
@@ -80,8 +83,8 @@ def main() -> int:
     disp = max(1, args.steps // 4)
     results: dict[str, Any] = {
         "config": str(path),
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "date_utc": utc_now(seconds=False),
+        "command": command_line(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "gpus": args.gpus,
         "runs": {},
@@ -89,7 +92,7 @@ def main() -> int:
     stat = args.workdir / "stat.hdf5"
     runs = [("1gpu", 1, 0)] + [(f"{args.gpus}gpu-stage{s}", args.gpus, int(s)) for s in args.stages.split(",")]
     for label, gpus, stage in runs:
-        cfg = make_input(base, path, "ours", steps=args.steps, disp_freq=disp, stat_file=stat, opt_kw={})
+        cfg = timing_input(base, path, "ours", steps=args.steps, disp_freq=disp, stat_file=stat, opt_kw={})
         cfg["training"]["zero_stage"] = stage
         cfg["training"]["save_freq"] = args.steps
         print(f"[{label}] running", flush=True)
@@ -124,7 +127,7 @@ def main() -> int:
     for label, c in comparisons.items():
         print(f"| {label} | {c['worst_rel_param_diff']:.3g} | {c['median_rel_param_diff']:.3g} |")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+        write_json(args.json, results)
     return 0
 
 

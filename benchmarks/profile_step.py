@@ -24,8 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_time import DEFAULT_CONFIG_DIR, build_named_params
-from train_speed import parse_kw
+from common import DEFAULT_CONFIG_DIR, build_named_params, parse_kw
 
 from deepmd_hybridmuon import HybridMuonOptimizer, kernels
 

@@ -30,12 +30,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
-import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -47,13 +44,20 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_speed import parse_kw  # shared key=value parsing of the benchmarks
+from common import (
+    DEFAULT_CONFIG_DIR,
+    build_named_params,
+    command_line,
+    first_line,
+    package_version,
+    parse_kw,
+    utc_now,
+    write_json,
+)
 
 # force_disable_caches makes dynamo warn that its profile-guided cache is off; that is the point.
 warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "configs"
 DEFAULT_CONFIGS = ("se_e2_a_water", "dpa2_small_water", "dpa3_water", "dpa4_water")
 
 #: Option sets shared by ours and the built-in: suffix -> constructor keywords.
@@ -69,39 +73,9 @@ ALL_VARIANTS: tuple[str, ...] = (
     "adamw",
 )
 ADAMW_LR = 1e-3
-NAME_PREFIX = "model.Default."  # what deepmd's ModelWrapper puts before the model's names
 
 
 # ----------------------------------------------------------------------------- models
-
-
-def load_model_params(path: Path) -> dict[str, Any]:
-    """The normalised ``model`` section of a deepmd input file."""
-    from deepmd.utils.argcheck import normalize
-    from deepmd.utils.compat import update_deepmd_input
-
-    with open(path) as f:
-        config = json.load(f)
-    config = update_deepmd_input(config, warning=False)
-    try:
-        config = normalize(config)
-    except Exception as err:  # only the model is needed: fall back to the raw section
-        print(f"  (argcheck normalize failed for {path.name}: {first_line(err)}; using the raw model section)")
-    return config["model"]
-
-
-def build_named_params(path: Path, device: torch.device) -> tuple[list[tuple[str, torch.Tensor]], list[bool]]:
-    """(trainer-style name, detached parameter on ``device``) of one config's model, and requires_grad."""
-    from deepmd.pt.model.model import get_model
-
-    model = get_model(load_model_params(path)).to(device)
-    try:
-        from deepmd.pt.train.wrapper import ModelWrapper
-
-        named = list(ModelWrapper(model).named_parameters())
-    except Exception:  # names are what matters: mimic the wrapper
-        named = [(NAME_PREFIX + n, p) for n, p in model.named_parameters()]
-    return [(n, p.detach().clone()) for n, p in named], [p.requires_grad for _, p in named]
 
 
 def make_grad_pool(
@@ -168,11 +142,6 @@ def make_optimizer(
 
 
 # ---------------------------------------------------------------------------- timing
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def sync(device: torch.device) -> None:
@@ -328,12 +297,7 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    try:
-        from importlib.metadata import version
-
-        deepmd_version = version("deepmd-kit")
-    except Exception:
-        deepmd_version = "unknown"
+    deepmd_version = package_version("deepmd-kit") or "unknown"
     try:
         import deepmd_hybridmuon
 
@@ -352,8 +316,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "deepmd_kit": deepmd_version,
         "deepmd_hybridmuon": ours_version,
         "python": platform.python_version(),
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "date_utc": utc_now(),
+        "command": command_line(),
     }
 
 
@@ -493,9 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         del master, pool
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
         print(f"\nwrote {args.json}")
     return 0
 

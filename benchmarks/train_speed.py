@@ -28,14 +28,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ast
-import copy
-import datetime as _dt
 import json
-import os
-import re
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -44,104 +38,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "configs"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    AVERAGE_RE,
+    BATCH_RE,
+    DEFAULT_CONFIG_DIR,
+    OURS_LOG_MARK,
+    command_line,
+    find_dp,
+    parse_kw,
+    parse_log,
+    prepare_run,
+    resolve_config,
+    timing_input,
+    utc_now,
+    write_json,
+)
+
 VARIANTS = ("ours", "builtin", "adamw")
-DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
-OURS_LOG_MARK = "optimizer: deepmd-hybridmuon"
-
-AVERAGE_RE = re.compile(r"average training time:\s*([0-9.eE+-]+)\s*s/batch(?:\s*\((\d+) batches excluded\))?")
-BATCH_RE = re.compile(r"Batch\s+(\d+):\s*total wall time\s*=\s*([0-9.eE+-]+)\s*s")
-
-
-# ---------------------------------------------------------------------------- config
-
-
-def resolve_config(spec: str, config_dir: Path) -> Path:
-    """A path, or the name of a config in ``config_dir`` (with or without ``.json``)."""
-    path = Path(spec)
-    if path.is_file():
-        return path.resolve()
-    for candidate in (config_dir / spec, config_dir / f"{spec}.json"):
-        if candidate.is_file():
-            return candidate.resolve()
-    raise SystemExit(f"config {spec!r} not found (as a path or in {config_dir})")
-
-
-def _absolute_systems(systems: Any, base: Path) -> Any:
-    if isinstance(systems, str):
-        p = Path(systems)
-        return str(p if p.is_absolute() else (base / p).resolve())
-    if isinstance(systems, list):
-        return [_absolute_systems(s, base) for s in systems]
-    return systems
-
-
-def make_input(
-    config: dict[str, Any],
-    config_path: Path,
-    variant: str,
-    *,
-    steps: int,
-    disp_freq: int,
-    stat_file: Path,
-    opt_kw: dict[str, Any],
-) -> dict[str, Any]:
-    """The input of one run: ``config`` with the run length, optimizer and absolute paths."""
-    cfg = copy.deepcopy(config)
-    base = config_path.parent
-    training = cfg.setdefault("training", {})
-    training["numb_steps"] = steps
-    training["disp_freq"] = disp_freq
-    training["save_freq"] = max(steps, 1)  # no intermediate checkpoint inside the timed intervals
-    training["disp_file"] = "lcurve.out"
-    training["stat_file"] = str(stat_file)
-    for key in ("training_data", "validation_data"):
-        data = training.get(key)
-        if isinstance(data, dict) and "systems" in data:
-            data["systems"] = _absolute_systems(data["systems"], base)
-    if variant in ("ours", "builtin"):
-        section: dict[str, Any] = {"type": "HybridMuon", **opt_kw}
-    elif variant == "adamw":
-        own = cfg.get("optimizer") or {}
-        section = dict(own) if own.get("type") == "AdamW" else {"type": "AdamW"}
-    else:
-        raise ValueError(f"unknown variant {variant!r}")
-    cfg["optimizer"] = section
-    return cfg
 
 
 # ------------------------------------------------------------------------------- run
-
-
-def parse_log(text: str) -> dict[str, Any]:
-    """deepmd's timing lines of one run."""
-    batches = [(int(m.group(1)), float(m.group(2))) for m in BATCH_RE.finditer(text)]
-    avg = AVERAGE_RE.findall(text)
-    return {
-        "average_s_per_batch": float(avg[-1][0]) if avg else None,
-        "batches_excluded": int(avg[-1][1]) if avg and avg[-1][1] else 0,
-        "intervals": batches,
-        "ours_active": OURS_LOG_MARK in text,
-    }
-
-
-def prepare_run(rundir: Path, cfg: dict[str, Any], builtin: bool) -> dict[str, str]:
-    """A fresh ``rundir`` with ``input.json``; the environment of its ``dp`` process.
-
-    ``builtin``: deepmd-kit's own HybridMuon (our plugin switched off), else ours.
-    """
-    if rundir.exists():
-        shutil.rmtree(rundir)
-    rundir.mkdir(parents=True)
-    with open(rundir / "input.json", "w") as f:
-        json.dump(cfg, f, indent=2)
-    env = dict(os.environ)
-    if builtin:
-        env[DISABLE_ENV] = "1"
-    else:
-        env.pop(DISABLE_ENV, None)
-    return env
 
 
 def run_variant(
@@ -155,7 +72,7 @@ def run_variant(
 ) -> dict[str, Any]:
     rundir = workdir / variant
     stat_file = workdir / f"{config_path.stem}.stat.hdf5"
-    cfg = make_input(
+    cfg = timing_input(
         config,
         config_path,
         variant,
@@ -240,22 +157,6 @@ def summary_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_kw(items: list[str], flag: str = "--opt-kw") -> dict[str, Any]:
-    """``key=value`` options: Python/JSON literals, else the bare string (e.g. ``muon_mode=flat``)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"{flag} expects key=value, got {item!r}")
-        value = value.strip()
-        lowered = {"true": "True", "false": "False", "null": "None"}.get(value.lower(), value)
-        try:
-            out[key.strip()] = ast.literal_eval(lowered)
-        except (ValueError, SyntaxError):
-            out[key.strip()] = value  # a bare string, e.g. muon_mode=flat
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("config", help="path of a deepmd input, or a name in --config-dir (e.g. se_e2_a_water)")
@@ -286,19 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     config_path = resolve_config(args.config, args.config_dir)
     with open(config_path) as f:
         config = json.load(f)
-    if args.dp:
-        dp = shlex.split(args.dp)
-    else:
-        local = Path(sys.executable).with_name("dp")
-        found = str(local) if local.exists() else shutil.which("dp")
-        if not found:
-            raise SystemExit("no dp executable found; pass --dp")
-        dp = [found]
+    dp = find_dp(args.dp)
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix=f"train_speed_{config_path.stem}_"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
 
-    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
+    date = utc_now()
+    command = command_line(argv)
     print(f"# dp --pt train speed: {config_path.name}, {args.steps} steps, disp_freq {args.disp_freq}")
     print(f"- date: {date}\n- command: `{command}`\n- workdir: {workdir}")
     if opt_kw:
@@ -315,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"\naverage s/batch (deepmd): {avg_line or 'none'}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         report = {
             "config": str(config_path),
             "steps": args.steps,
@@ -326,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "opt_kw": {k: repr(v) for k, v in opt_kw.items()},
             "results": results,
         }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0 if all(not r["problems"] for r in results) else 1
 
