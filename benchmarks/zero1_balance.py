@@ -17,7 +17,6 @@ Runs on the CPU in seconds::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import types
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_speed import DEFAULT_CONFIG_DIR, resolve_config
+from common import DEFAULT_CONFIG_DIR, build_model, resolve_config
 
 from deepmd_hybridmuon.distributed import ns_cost
 from deepmd_hybridmuon.functional import route_parameter
@@ -43,17 +42,6 @@ def zero_partition(params: list[torch.Tensor], world: int) -> list[list[torch.Te
         setattr(standin, method, types.MethodType(getattr(ZeroRedundancyOptimizer, method), standin))
     per_rank = ZeroRedundancyOptimizer._partition_parameters(standin)
     return [[p for group in groups for p in group["params"]] for groups in per_rank]
-
-
-def model_parameters(config_path: Path) -> list[tuple[str, torch.Tensor]]:
-    """Named parameters of the model of a deepmd input (deepmd's normalisation, then ``get_model``)."""
-    from deepmd.pt.model.model import get_model
-    from deepmd.utils.argcheck import normalize
-    from deepmd.utils.compat import update_deepmd_input
-
-    config = update_deepmd_input(json.loads(config_path.read_text()), warning=False)
-    config = normalize(config)
-    return list(get_model(config["model"]).named_parameters())
 
 
 def balance(named: list[tuple[str, torch.Tensor]], world: int, muon_mode: str = "slice") -> dict[str, float]:
@@ -85,7 +73,7 @@ def main() -> int:
     print("|---|---:|---:|---:|---|---:|")
     for spec in args.configs:
         path = resolve_config(spec, args.config_dir)
-        named = model_parameters(path)
+        named = list(build_model(path).named_parameters())
         for world in worlds:
             b = balance(named, world)
             # no split can do better than the largest single matrix on one rank
