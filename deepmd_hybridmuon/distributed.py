@@ -476,8 +476,7 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
     lr = float(group["lr"])
     wd = float(group["weight_decay"])
     beta1, beta2 = (float(b) for b in group["adam_betas"])
-    lr_adjust = float(group["lr_adjust"])
-    adam_lr = lr if lr_adjust <= 0 else lr / lr_adjust
+    adam_lr = F.adam_learning_rate(lr, float(group["lr_adjust"]))
 
     # 2. Adam and AdamW: elementwise on the local shards, one flat chain per bucket.
     buckets: dict[tuple, list[torch.Tensor]] = {}

@@ -35,6 +35,7 @@ __all__ = [
     "POLAR_EXPRESS_COEFFS",
     "GramSchedule",
     "ParamRoute",
+    "adam_learning_rate",
     "adam_update_",
     "effective_shape",
     "finite_gate",
@@ -394,6 +395,11 @@ def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 # Update rules
 # ---------------------------------------------------------------------------
+
+
+def adam_learning_rate(lr: float, lr_adjust: float) -> float:
+    """Learning rate of the Adam/AdamW routes: ``lr`` when ``lr_adjust <= 0``, else ``lr / lr_adjust``."""
+    return lr if lr_adjust <= 0 else lr / lr_adjust
 
 
 def muon_scale(rows: int, cols: int, lr_adjust: float, lr_adjust_coeff: float) -> float:

@@ -511,8 +511,7 @@ class HybridMuonOptimizer(Optimizer):
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
         beta1, beta2 = (float(b) for b in group["adam_betas"])
-        lr_adjust = float(group["lr_adjust"])
-        adam_lr = lr if lr_adjust <= 0 else lr / lr_adjust
+        adam_lr = F.adam_learning_rate(lr, float(group["lr_adjust"]))
         muon: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]] = []
         active = [p for p in group["params"] if p.grad is not None and p.numel() > 0]
         if not active:

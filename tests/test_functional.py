@@ -325,6 +325,15 @@ def test_muon_scale(rows: int, cols: int, lr_adjust: float, coeff: float, expect
     assert F.muon_scale(rows, cols, lr_adjust, coeff) == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("lr", "lr_adjust", "expected"),
+    [(1e-3, 0.0, 1e-3), (1e-3, -2.0, 1e-3), (1e-3, 10.0, 1e-4), (2e-2, 0.5, 4e-2)],
+)
+def test_adam_learning_rate(lr: float, lr_adjust: float, expected: float) -> None:
+    # lr_adjust <= 0: Adam at lr (the match-RMS Muon scale); > 0: Adam at lr / lr_adjust (deepmd-kit 3.2.0's rule)
+    assert F.adam_learning_rate(lr, lr_adjust) == pytest.approx(expected, rel=1e-15)
+
+
 def test_magma_raw_score_table() -> None:
     g = torch.tensor([[1.0, 2.0, -3.0, 0.5]])
     ortho = torch.tensor([[2.0, -1.0, 0.0, 0.0]])  # <g, ortho> = 0

@@ -86,8 +86,7 @@ class BatchedStep:
         L = self.layout
         lr = float(group["lr"])
         wd = float(group["weight_decay"])
-        lr_adjust = float(group["lr_adjust"])
-        adam_lr = lr if lr_adjust <= 0 else lr / lr_adjust
+        adam_lr = F.adam_learning_rate(lr, float(group["lr_adjust"]))
         step_size = bc2 = 1.0
         if L.adam:
             beta1, beta2 = L.betas
