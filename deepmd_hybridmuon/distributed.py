@@ -473,25 +473,15 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
     for d in range(mesh.ndim):
         _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
 
-    lr = float(group["lr"])
-    wd = float(group["weight_decay"])
-    beta1, beta2 = (float(b) for b in group["adam_betas"])
-    adam_lr = F.adam_learning_rate(lr, float(group["lr_adjust"]))
+    settings = F.GroupSettings.of(group)
 
     # 2. Adam and AdamW: elementwise on the local shards, one flat chain per bucket.
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for layout, p in zip(plan.params, active, strict=True):
         if layout.route == "muon":
             continue
-        state = opt.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            state["beta1_pow"] = 1.0
-            state["beta2_pow"] = 1.0
-        state["beta1_pow"] *= beta1
-        state["beta2_pow"] *= beta2
-        decay = (1.0 - adam_lr * wd) if (layout.route == "adamw" and wd > 0) else None
+        state = opt._advance_adam_state(p, settings)
+        decay = settings.adam_decay(layout.route)
         key = (p.dtype, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
         buckets.setdefault(key, []).append(p)
     for (_, _, beta1_pow, beta2_pow, decay), ps in buckets.items():
@@ -503,11 +493,11 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
             _flat([_local(grads[id(p)]) for p in ps]),
             flat_m,
             flat_v,
-            beta1=beta1,
-            beta2=beta2,
+            beta1=settings.beta1,
+            beta2=settings.beta2,
             beta1_pow=beta1_pow,
             beta2_pow=beta2_pow,
-            lr=adam_lr,
+            lr=settings.adam_lr,
             decay_factor=decay,
             ok=ok,
         )
@@ -534,11 +524,8 @@ def _muon(
     """Momentum and decay on the shards, Magma sums, the two all-to-alls and Newton–Schulz on the owners."""
     import torch.distributed as dist
 
-    lr = float(group["lr"])
-    wd = float(group["weight_decay"])
-    momentum = float(group["momentum"])
-    lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
-    magma, use_gram = group["magma_muon"], group["enable_gram"]
+    settings = F.GroupSettings.of(group)
+    lr, wd = settings.lr, settings.weight_decay
     dtypes = {grads[id(p)].dtype for p in muon} | {p.dtype for p in muon}
     if len({grads[id(p)].dtype for p in muon}) > 1 or len({p.dtype for p in muon}) > 1:
         raise NotImplementedError(
@@ -558,11 +545,11 @@ def _muon(
     g = F.sanitize(_flat([_local(grads[id(p)]) for p in muon]).to(work), ok)
     if wd > 0:
         flat_p.mul_(F.gate_factor(1.0 - lr * wd, ok, flat_p.dtype))
-    update = F.nesterov_momentum_(flat_buf, g, momentum, ok)
+    update = F.nesterov_momentum_(flat_buf, g, settings.momentum, ok)
     _write_back(bufs, flat_buf)
 
     damp = None
-    if magma:
+    if settings.magma:
         scores = []
         for layout, p in zip(plan.muon, muon, strict=True):
             state = opt.state[p]
@@ -593,8 +580,8 @@ def _muon(
     delta = torch.empty_like(owned, dtype=wire)
     for sg in ex.groups:
         n = sg.count * sg.rows * sg.cols
-        orth = F.orthogonalize(owned[sg.start : sg.start + n].view(sg.count, sg.rows, sg.cols), use_gram)
-        d = orth * F.muon_scale(sg.rows, sg.cols, lr_adjust, coeff)
+        orth = F.orthogonalize(owned[sg.start : sg.start + n].view(sg.count, sg.rows, sg.cols), settings.use_gram)
+        d = orth * settings.scale(sg.rows, sg.cols)
         if damp is not None:
             d = d * damp[sg.matrix_ids].view(sg.count, 1, 1).to(d.dtype)
         delta[sg.start : sg.start + n].copy_(d.reshape(-1))

@@ -34,6 +34,7 @@ __all__ = [
     "NS_POLISH_STEPS",
     "POLAR_EXPRESS_COEFFS",
     "GramSchedule",
+    "GroupSettings",
     "ParamRoute",
     "adam_learning_rate",
     "adam_update_",
@@ -395,6 +396,55 @@ def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 # Update rules
 # ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    """The numbers of one (validated) param_group that the update rules read, read once per step.
+
+    Every implementation (the loop, the engine, the FSDP2 step) takes its hyperparameters
+    from here, so the derived rules (Adam's rate, AdamW's decay factor, the Muon scale)
+    are written once.
+    """
+
+    lr: float
+    weight_decay: float
+    momentum: float
+    beta1: float
+    beta2: float
+    lr_adjust: float
+    lr_adjust_coeff: float
+    magma: bool
+    use_gram: bool
+
+    @classmethod
+    def of(cls, group: dict) -> GroupSettings:
+        """The settings of ``group`` (a param_group of :class:`~deepmd_hybridmuon.HybridMuonOptimizer`)."""
+        beta1, beta2 = (float(b) for b in group["adam_betas"])
+        return cls(
+            lr=float(group["lr"]),
+            weight_decay=float(group["weight_decay"]),
+            momentum=float(group["momentum"]),
+            beta1=beta1,
+            beta2=beta2,
+            lr_adjust=float(group["lr_adjust"]),
+            lr_adjust_coeff=float(group["lr_adjust_coeff"]),
+            magma=bool(group["magma_muon"]),
+            use_gram=bool(group["enable_gram"]),
+        )
+
+    @property
+    def adam_lr(self) -> float:
+        """Learning rate of the Adam routes (:func:`adam_learning_rate`)."""
+        return adam_learning_rate(self.lr, self.lr_adjust)
+
+    def adam_decay(self, route: str) -> float | None:
+        """AdamW's decoupled decay factor ``1 - adam_lr * weight_decay``; ``None`` for Adam or no decay."""
+        return (1.0 - self.adam_lr * self.weight_decay) if (route == "adamw" and self.weight_decay > 0) else None
+
+    def scale(self, rows: int, cols: int) -> float:
+        """The Muon update scale of a ``rows x cols`` matrix (:func:`muon_scale`)."""
+        return muon_scale(rows, cols, self.lr_adjust, self.lr_adjust_coeff)
 
 
 def adam_learning_rate(lr: float, lr_adjust: float) -> float:

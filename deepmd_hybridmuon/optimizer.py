@@ -508,10 +508,7 @@ class HybridMuonOptimizer(Optimizer):
         return rows
 
     def _step_group(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
-        lr = float(group["lr"])
-        wd = float(group["weight_decay"])
-        beta1, beta2 = (float(b) for b in group["adam_betas"])
-        adam_lr = F.adam_learning_rate(lr, float(group["lr_adjust"]))
+        settings = F.GroupSettings.of(group)
         muon: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]] = []
         active = [p for p in group["params"] if p.grad is not None and p.numel() > 0]
         if not active:
@@ -527,10 +524,9 @@ class HybridMuonOptimizer(Optimizer):
                 assert route.view is not None  # route_parameter gives a view for every Muon route
                 muon.append((p, grad, route.view))
                 continue
-            decay = (1.0 - adam_lr * wd) if (route.route == "adamw" and wd > 0) else None
-            self._adam(p, grad, beta1, beta2, adam_lr, decay, ok)
+            self._adam(p, grad, settings, settings.adam_decay(route.route), ok)
         if muon:
-            self._muon(group, muon, ok)
+            self._muon(settings, muon, ok)
 
     @staticmethod
     def _grad_of(p: torch.Tensor) -> torch.Tensor:
@@ -556,50 +552,49 @@ class HybridMuonOptimizer(Optimizer):
             value = state[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
         return _local(value)
 
+    def _advance_adam_state(self, p: torch.Tensor, settings: F.GroupSettings) -> dict[str, Any]:
+        """The Adam state of ``p`` (created at the first step: float32 moments) with this step's powers beta^t."""
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)  # a DTensor for a DTensor p
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["beta1_pow"] = 1.0
+            state["beta2_pow"] = 1.0
+        state["beta1_pow"] *= settings.beta1
+        state["beta2_pow"] *= settings.beta2
+        return state
+
     def _adam(
         self,
         p: torch.Tensor,
         grad: torch.Tensor,
-        beta1: float,
-        beta2: float,
-        lr: float,
+        settings: F.GroupSettings,
         decay: float | None,
         ok: torch.Tensor,
     ) -> None:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            state["beta1_pow"] = 1.0
-            state["beta2_pow"] = 1.0
-        state["beta1_pow"] *= beta1
-        state["beta2_pow"] *= beta2
+        state = self._advance_adam_state(p, settings)
         F.adam_update_(
             p,
             grad,
             state["exp_avg"],
             state["exp_avg_sq"],
-            beta1=beta1,
-            beta2=beta2,
+            beta1=settings.beta1,
+            beta2=settings.beta2,
             beta1_pow=state["beta1_pow"],
             beta2_pow=state["beta2_pow"],
-            lr=lr,
+            lr=settings.adam_lr,
             decay_factor=decay,
             ok=ok,
         )
 
     def _muon(
         self,
-        group: dict[str, Any],
+        settings: F.GroupSettings,
         entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]],
         ok: torch.Tensor,
     ) -> None:
         """Muon, one parameter at a time (parameters are independent; one full matrix alive at a time)."""
-        lr = float(group["lr"])
-        wd = float(group["weight_decay"])
-        momentum = float(group["momentum"])
-        lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
-        magma, use_gram = group["magma_muon"], group["enable_gram"]
+        lr, wd = settings.lr, settings.weight_decay
 
         for p, grad, (bs, rows, cols) in entries:
             state = self.state[p]
@@ -609,10 +604,10 @@ class HybridMuonOptimizer(Optimizer):
             g = F.sanitize(grad.to(buf.dtype), ok)
             if wd > 0:
                 p.mul_(F.gate_factor(1.0 - lr * wd, ok, p.dtype))
-            update = F.nesterov_momentum_(buf, g, momentum, ok)
+            update = F.nesterov_momentum_(buf, g, settings.momentum, ok)
 
             damp = None
-            if magma:
+            if settings.magma:
                 score = state.get("magma_score")
                 if score is None or score.shape != (bs,) or score.device != p.device:
                     score = torch.full((bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=p.device)
@@ -620,8 +615,8 @@ class HybridMuonOptimizer(Optimizer):
                 raw = F.magma_raw_score(buf.reshape(bs, -1), g.reshape(bs, -1))
                 damp = F.magma_scale_(score, raw, ok)
 
-            orth = F.orthogonalize(update.reshape(bs, rows, cols), use_gram)
-            delta = orth * F.muon_scale(rows, cols, lr_adjust, coeff)
+            orth = F.orthogonalize(update.reshape(bs, rows, cols), settings.use_gram)
+            delta = orth * settings.scale(rows, cols)
             if damp is not None:
                 delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
             p.addcmul_(delta.reshape(p.shape), ok.to(p.dtype) * -lr)

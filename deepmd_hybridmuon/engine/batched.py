@@ -84,9 +84,8 @@ class BatchedStep:
     def scalars(self, group: dict[str, Any]) -> tuple[float, ...]:
         """The :data:`SCALARS` of this step; advances the Adam parameters' shared bias-correction powers."""
         L = self.layout
-        lr = float(group["lr"])
-        wd = float(group["weight_decay"])
-        adam_lr = F.adam_learning_rate(lr, float(group["lr_adjust"]))
+        settings = F.GroupSettings.of(group)
+        lr, wd, adam_lr = settings.lr, settings.weight_decay, settings.adam_lr
         step_size = bc2 = 1.0
         if L.adam:
             beta1, beta2 = L.betas

@@ -245,11 +245,11 @@ class Layout:
         self.muon_grad = self.grad[self.grad.numel() - n :]
 
         # Blocks (one per matrix of each view) and their per-block Muon scale.
-        lr_adjust, coeff = float(group["lr_adjust"]), float(group["lr_adjust_coeff"])
+        settings = F.GroupSettings.of(group)
         lengths, scales = [], []
         for bs, rows, cols in views:
             lengths += [rows * cols] * bs
-            scales += [F.muon_scale(rows, cols, lr_adjust, coeff)] * bs
+            scales += [settings.scale(rows, cols)] * bs
         self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
         self.block_factor = torch.zeros_like(self.block_scale)  # scale x Magma x -lr, per step
         if self.magma:
