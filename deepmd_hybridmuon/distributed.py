@@ -63,6 +63,8 @@ __all__ = [
     "build_plan",
     "chunk_rows",
     "from_owners",
+    "is_dtensor",
+    "local_shard",
     "plan_of",
     "step_group",
     "to_owners",
@@ -395,8 +397,18 @@ def _mesh_of(params: list[torch.Tensor]) -> tuple[Any, int]:
     return mesh, dim
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2-sharded tensor)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (sharing its storage under ``no_grad``), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -466,7 +478,7 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
     grads = {id(p): opt._grad_of(p) for p in active}
 
     # 1. The finite gate: one all-reduce (min) per mesh dimension, called on every rank.
-    local_grads = [_local(g) for g in grads.values()]
+    local_grads = [local_shard(g) for g in grads.values()]
     ok = F.finite_gate(local_grads).to(device) if local_grads else torch.ones((), dtype=torch.float32, device=device)
     if shared is not None:
         ok = torch.minimum(ok, shared.to(device))
@@ -485,12 +497,12 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
         key = (p.dtype, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
         buckets.setdefault(key, []).append(p)
     for (_, _, beta1_pow, beta2_pow, decay), ps in buckets.items():
-        locals_ = [_local(p) for p in ps]
+        locals_ = [local_shard(p) for p in ps]
         moments = [opt._local_state(p, "exp_avg") for p in ps], [opt._local_state(p, "exp_avg_sq") for p in ps]
         flat_p, flat_m, flat_v = _flat(locals_), _flat(moments[0]), _flat(moments[1])
         F.adam_update_(
             flat_p,
-            _flat([_local(grads[id(p)]) for p in ps]),
+            _flat([local_shard(grads[id(p)]) for p in ps]),
             flat_m,
             flat_v,
             beta1=settings.beta1,
@@ -539,10 +551,10 @@ def _muon(
             state["momentum_buffer"] = torch.zeros_like(grads[id(p)])  # a DTensor for a DTensor p
     bufs = [opt._local_state(p, "momentum_buffer") for p in muon]
     work = bufs[0].dtype
-    locals_ = [_local(p) for p in muon]
+    locals_ = [local_shard(p) for p in muon]
     flat_p = _flat(locals_)
     flat_buf = _flat(bufs)
-    g = F.sanitize(_flat([_local(grads[id(p)]) for p in muon]).to(work), ok)
+    g = F.sanitize(_flat([local_shard(grads[id(p)]) for p in muon]).to(work), ok)
     if wd > 0:
         flat_p.mul_(F.gate_factor(1.0 - lr * wd, ok, flat_p.dtype))
     update = F.nesterov_momentum_(flat_buf, g, settings.momentum, ok)
@@ -554,7 +566,7 @@ def _muon(
         for layout, p in zip(plan.muon, muon, strict=True):
             state = opt.state[p]
             score = state.get("magma_score")
-            if score is not None and hasattr(score, "full_tensor"):
+            if is_dtensor(score):
                 score = state["magma_score"] = score.full_tensor()
             bs = layout.view[0]  # type: ignore[index]
             if score is None or tuple(score.shape) != (bs,) or score.device != flat_p.device:

@@ -18,7 +18,6 @@ from torch.optim.optimizer import Optimizer
 from . import distributed
 from . import functional as F
 from .engine import GroupEngine
-from .engine import is_dtensor as _is_dtensor
 
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
 log = logging.getLogger("deepmd.hybridmuon")
@@ -58,19 +57,6 @@ _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
 
 def _is_real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-# ----------------------------------------------------------------------------- DTensor
-#
-# Under FSDP2 (``fully_shard``) every parameter, gradient and parameter-shaped state
-# tensor is a DTensor sharded on dim 0. Groups of DTensor parameters take the step of
-# :mod:`deepmd_hybridmuon.distributed` (each Muon matrix orthogonalised once, on its
-# owner rank); the helpers here give the local shards of parameters and state.
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (sharing its storage under ``no_grad``), else ``t``."""
-    return t.to_local() if _is_dtensor(t) else t
 
 
 def check_number(key: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
@@ -400,7 +386,7 @@ class HybridMuonOptimizer(Optimizer):
                 loss = closure()
         shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
         for index, group in enumerate(self.param_groups):
-            if any(_is_dtensor(p) for p in group["params"]):
+            if any(distributed.is_dtensor(p) for p in group["params"]):
                 distributed.step_group(self, index, group, shared)  # FSDP2: the owner computes
                 continue
             engine = self._engine(index, group)
@@ -422,7 +408,7 @@ class HybridMuonOptimizer(Optimizer):
         """
         import torch.distributed as dist
 
-        grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [distributed.local_shard(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if grads:
             ok = F.finite_gate(grads)
         else:
@@ -533,7 +519,7 @@ class HybridMuonOptimizer(Optimizer):
         """``p.grad``; a DTensor gradient laid out like its DTensor parameter (FSDP2's already is)."""
         grad = p.grad
         assert grad is not None
-        if _is_dtensor(p) and _is_dtensor(grad):
+        if distributed.is_dtensor(p) and distributed.is_dtensor(grad):
             if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
                 grad = grad.redistribute(p.device_mesh, p.placements)
         return grad
@@ -546,11 +532,11 @@ class HybridMuonOptimizer(Optimizer):
         """
         state = self.state[p]
         value = state[key]
-        if _is_dtensor(p) and not _is_dtensor(value) and value.shape == p.shape:
+        if distributed.is_dtensor(p) and not distributed.is_dtensor(value) and value.shape == p.shape:
             from torch.distributed.tensor import distribute_tensor
 
             value = state[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
-        return _local(value)
+        return distributed.local_shard(value)
 
     def _advance_adam_state(self, p: torch.Tensor, settings: F.GroupSettings) -> dict[str, Any]:
         """The Adam state of ``p`` (created at the first step: float32 moments) with this step's powers beta^t."""

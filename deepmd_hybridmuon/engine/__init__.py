@@ -28,7 +28,7 @@ and its per-parameter loop is the specification every engine path is tested agai
 from __future__ import annotations
 
 from .compilation import triton_runs_on
-from .group import GroupEngine, is_dtensor
+from .group import GroupEngine
 from .layout import bucket_key
 
-__all__ = ["GroupEngine", "bucket_key", "is_dtensor", "triton_runs_on"]
+__all__ = ["GroupEngine", "bucket_key", "triton_runs_on"]

@@ -7,21 +7,13 @@ from typing import Any
 import torch
 
 from .. import functional as F
+from ..distributed import is_dtensor
 from . import compilation
 from .batched import BatchedStep, StepInputs
 from .execution import Executor
 from .layout import Layout, kernel_paths
 
-__all__ = ["GroupEngine", "is_dtensor"]
-
-
-def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2-sharded tensor)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+__all__ = ["GroupEngine"]
 
 
 class GroupEngine:
@@ -98,7 +90,7 @@ class GroupEngine:
             return False
         first = params[0]
         if any(is_dtensor(p) for p in params):
-            return False  # FSDP2 shards: the loop handles them
+            return False  # FSDP2 shards: distributed.step_group handles them
         return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
 
     def matches(self, group: dict[str, Any]) -> bool:
