@@ -1,30 +1,39 @@
 #!/usr/bin/env python
-"""`dp --pt train` with HybridMuon on 1 GPU and on N GPUs for each training.zero_stage.
+"""`dp --pt train` on N GPUs for each training.zero_stage: ours, AdamW and the built-in.
 
-For each zero_stage (0: DDP, 1: ZeRO-1, 2: FSDP2) it runs ``torchrun --nproc_per_node=N
-dp --pt train input.json`` on a short schedule of a shared config, plus one single-GPU run,
-then compares the final parameters (model state of the last checkpoint): every stage against
-stage 0 (same data order and gradients, so the stages should agree up to the rounding of the
-sharded arithmetic) and against the 1-GPU run (different effective batch: a reference, not a
-target). It reports deepmd's s/batch and the final validation RMSE of each run.
+For each config, stage (0: DDP, 1: ZeRO-1, 2 and 3: FSDP2) and optimizer variant this runs
+``torchrun --nproc_per_node=N benchmarks/timed_dp.py --pt train input.json`` (``dp`` with
+every optimizer step timed by CUDA events) on a short schedule of a shared config. The
+order of the variants alternates from one stage to the next (ours, adamw, builtin, then
+builtin, adamw, ours, ...) and is recorded; a 1-step run before them computes the data
+statistics file they all load. It reports:
+
+* deepmd's average s/batch (the first ``disp_freq`` batches left out);
+* the optimizer step's own time: median over the steps after ``--skip`` of the CUDA-event
+  time of ``step()`` on each rank, the slowest rank's (the ZeroRedundancyOptimizer's step at
+  stage 1, which includes its parameter broadcast);
+* the final validation errors, and how far each stage's final parameters are from the
+  same variant's stage-0 run (same data order and gradients: the stages should agree up
+  to the rounding of the sharded arithmetic).
 
 Usage::
 
-    python benchmarks/multi_gpu.py dpa2_small_water --gpus 2 --steps 200 --stages 0,1,2
+    python benchmarks/multi_gpu.py dpa2_small_water dpa3_water dpa4_water --gpus 2 --steps 80 --json out.json
+    python benchmarks/multi_gpu.py dpa2_small_water --variants ours --stages 0,1 --single   # plus a 1-GPU run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,101 +41,179 @@ from common import (
     DEFAULT_CONFIG_DIR,
     NO_MULTICAST_ENV,
     command_line,
-    find_dp,
+    error_columns,
+    last_line,
     parse_lcurve,
     parse_log,
+    prepare_run,
     resolve_config,
     timing_input,
-    torchrun_dp,
     utc_now,
     write_json,
 )
 
+TIMED_DP = Path(__file__).resolve().with_name("timed_dp.py")
+VARIANTS = ("ours", "adamw", "builtin")
+#: The optimizer whose step() is the whole step when several are timed (ZeRO-1 wraps the local one).
+OUTER = "ZeroRedundancyOptimizer"
 
-def _run(workdir: Path, config: dict[str, Any], gpus: int) -> dict[str, Any]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "input.json").write_text(json.dumps(config, indent=1))
-    dp = find_dp()
-    cmd = [*(dp if gpus == 1 else torchrun_dp(gpus, dp)), "--pt", "train", "input.json"]
-    env = {**os.environ, **NO_MULTICAST_ENV}
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, timeout=1200)
-    log = proc.stdout + proc.stderr
-    (workdir / "train.log").write_text(log)
-    out = {"command": shlex.join(cmd), "returncode": proc.returncode, **parse_log(log)}
-    if proc.returncode != 0:
-        out["error"] = [line for line in log.splitlines() if line.strip()][-5:]
+
+def _step_ms(times_dir: Path, skip: int) -> dict[str, Any]:
+    """Median CUDA-event time of the outer optimizer's step() per rank, after ``skip`` steps."""
+    per_rank = {}
+    for path in sorted(times_dir.glob("rank*.json")):
+        times = json.loads(path.read_text())
+        name = OUTER if OUTER in times else max(times, key=lambda k: len(times[k]))
+        steps = times[name][skip:] or times[name]
+        per_rank[path.stem] = {"optimizer": name, "steps": len(times[name]), "median_ms": statistics.median(steps)}
+    worst = max((r["median_ms"] for r in per_rank.values()), default=None)
+    return {"per_rank": per_rank, "slowest_rank_median_ms": worst}
+
+
+def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
+    env = {**prepare_run(rundir, cfg, variant == "builtin"), **NO_MULTICAST_ENV, "STEP_TIMES_DIR": "step_times"}
+    launch = ["torchrun", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else [sys.executable]
+    cmd = [*launch, str(TIMED_DP), "--pt", "train", "input.json"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=rundir, capture_output=True, text=True, env=env, timeout=args.timeout)
+        rc, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        rc = -9
+        log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (err.stdout, err.stderr))
+        log += f"\n(timed out after {args.timeout} s)"
+    (rundir / "train.log").write_text(log)
+    out: dict[str, Any] = {"command": shlex.join(cmd), "returncode": rc, "wall_s": time.perf_counter() - t0}
+    out.update({k: v for k, v in parse_log(log).items() if k != "intervals"})
+    if out["ours_active"] != (variant == "ours"):
+        out["problem"] = "the plugin's log line says the wrong optimizer ran"
+    if rc != 0:
+        out["problem"] = f"exit {rc}: {last_line(log)}"
         return out
-    curve = parse_lcurve(workdir / "lcurve.out") or {}
-    out["final"] = {name: values[-1] for name, values in curve.items() if values}
+    curve = parse_lcurve(rundir / "lcurve.out")
+    cols = error_columns(curve)
+    if curve and cols:
+        out["final"] = {"force": curve[cols[0]][-1], "energy": curve[cols[1]][-1], "kind": cols[2]}
+    if (rundir / "step_times").is_dir():
+        out["optimizer_step"] = _step_ms(rundir / "step_times", args.skip)
     return out
 
 
-def _params(workdir: Path, steps: int) -> dict[str, torch.Tensor]:
-    ckpt = torch.load(workdir / f"model.ckpt-{steps}.pt", map_location="cpu", weights_only=False)
-    state = ckpt["model"]
-    return {k: v.double() for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+def _params(rundir: Path, steps: int) -> dict[str, torch.Tensor]:
+    ckpt = torch.load(rundir / f"model.ckpt-{steps}.pt", map_location="cpu", weights_only=False)
+    return {k: v.double() for k, v in ckpt["model"].items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+def _distance(a: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    diffs = [
+        float((v - ref[k]).norm() / max(float(ref[k].norm()), 1e-30)) for k, v in a.items() if k in ref and v.numel()
+    ]
+    return {"worst": max(diffs), "median": statistics.median(diffs)}
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def report(results: dict[str, Any]) -> str:
+    """Markdown tables of one results dict (per config: s/batch, optimizer step, errors, distances)."""
+    lines = []
+    for config, per in results["configs"].items():
+        runs = per["runs"]
+        lines += [
+            f"\n### {config}: {results['gpus']} GPUs, {results['steps']} steps\n",
+            "| stage | s/batch ours | AdamW | built-in | ours / AdamW | step ms ours | AdamW | built-in "
+            "| final force error ours / AdamW / built-in |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for stage in results["stages"]:
+            r = {v: runs.get(f"stage{stage}-{v}", {}) for v in VARIANTS}
+            sb = {v: r[v].get("average_s_per_batch") if "problem" not in r[v] else None for v in VARIANTS}
+            ms = {v: (r[v].get("optimizer_step") or {}).get("slowest_rank_median_ms") for v in VARIANTS}
+            err = " / ".join(_fmt((r[v].get("final") or {}).get("force"), ".4g") or "-" for v in VARIANTS)
+            ratio = sb["ours"] / sb["adamw"] if sb["ours"] and sb["adamw"] else None
+            cells = [_fmt(sb[v], ".4f") or ("failed" if "problem" in r[v] else "") for v in VARIANTS]
+            cells += [_fmt(ratio, ".2f")] + [_fmt(ms[v], ".2f") for v in VARIANTS] + [err]
+            lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+        problems = [f"- {label}: {r['problem']}" for label, r in runs.items() if "problem" in r]
+        if problems:
+            lines += ["", *problems]
+        if per.get("distances"):
+            lines += ["", "| run vs the same optimizer at stage 0 | worst ‖Δθ‖/‖θ‖ | median |", "|---|---:|---:|"]
+            lines += [f"| {k} | {d['worst']:.3g} | {d['median']:.3g} |" for k, d in per["distances"].items()]
+        lines += ["", "run order: " + ", ".join(per["order"])]
+    return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
+    ap.add_argument("configs", nargs="+", help="deepmd inputs, or names in --config-dir")
     ap.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR)
     ap.add_argument("--gpus", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--stages", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--disp-freq", type=int, default=None, help="default: steps // 4")
+    ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--skip", type=int, default=10, help="optimizer steps left out of the step time (warm-up)")
+    ap.add_argument("--single", action="store_true", help="also one 1-GPU run of ours per config")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/multi_gpu"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-
-    path = resolve_config(args.config, args.config_dir)
-    base = json.loads(path.read_text())
-    disp = max(1, args.steps // 4)
+    variants = [v for v in args.variants.split(",") if v]
+    if bad := [v for v in variants if v not in VARIANTS]:
+        ap.error(f"unknown variants {bad}; choose from {','.join(VARIANTS)}")
+    stages = [int(s) for s in args.stages.split(",")]
+    disp = args.disp_freq or max(1, args.steps // 4)
     results: dict[str, Any] = {
-        "config": str(path),
         "date_utc": utc_now(seconds=False),
         "command": command_line(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "gpus": args.gpus,
-        "runs": {},
+        "steps": args.steps,
+        "disp_freq": disp,
+        "stages": stages,
+        "configs": {},
     }
-    stat = args.workdir / "stat.hdf5"
-    runs = [("1gpu", 1, 0)] + [(f"{args.gpus}gpu-stage{s}", args.gpus, int(s)) for s in args.stages.split(",")]
-    for label, gpus, stage in runs:
-        cfg = timing_input(base, path, "ours", steps=args.steps, disp_freq=disp, stat_file=stat, opt_kw={})
-        cfg["training"]["zero_stage"] = stage
-        cfg["training"]["save_freq"] = args.steps
-        print(f"[{label}] running", flush=True)
-        results["runs"][label] = _run(args.workdir / label, cfg, gpus)
-        print(f"[{label}] {json.dumps({k: v for k, v in results['runs'][label].items() if k != 'intervals'})}")
-    ok = {k for k, r in results["runs"].items() if r["returncode"] == 0}
-    comparisons = {}
-    ref_label = f"{args.gpus}gpu-stage0"
-    if ref_label in ok:
-        ref = _params(args.workdir / ref_label, args.steps)
-        for label in sorted(ok - {ref_label}):
-            other = _params(args.workdir / label, args.steps)
-            diffs = [
-                float((v - ref[k]).norm() / max(float(ref[k].norm()), 1e-30))
-                for k, v in other.items()
-                if k in ref and v.numel()
-            ]
-            comparisons[f"{label} vs {ref_label}"] = {
-                "worst_rel_param_diff": max(diffs),
-                "median_rel_param_diff": float(np.median(diffs)),
-            }
-    results["comparisons"] = comparisons
-    print("\n| run | s/batch (deepmd) | final rmse_f_val | final rmse_e_val | notes |\n|---|---:|---:|---:|---|")
-    for label, r in results["runs"].items():
-        fin = r.get("final", {})
-        note = "ok" if r["returncode"] == 0 else "failed: " + " / ".join(r.get("error", []))[-300:]
-        print(
-            f"| {label} | {r.get('average_s_per_batch')} | {fin.get('rmse_f_val', float('nan')):.4g} | "
-            f"{fin.get('rmse_e_val', float('nan')):.4g} | {note} |"
-        )
-    print("\n| comparison | worst ‖Δθ‖/‖θ‖ over tensors | median |\n|---|---:|---:|")
-    for label, c in comparisons.items():
-        print(f"| {label} | {c['worst_rel_param_diff']:.3g} | {c['median_rel_param_diff']:.3g} |")
+    flip = False
+    for spec in args.configs:
+        path = resolve_config(spec, args.config_dir)
+        base = json.loads(path.read_text())
+        per: dict[str, Any] = {"config": str(path), "runs": {}, "order": [], "distances": {}}
+        results["configs"][path.stem] = per
+        stat = args.workdir / f"{path.stem}.stat.hdf5"
+        # A 1-step run first computes the data statistics file that every timed run then loads
+        # (a run that computes it ends on slightly different parameters) and warms the caches.
+        plan = [("warmup", 1, 0, "ours")] + ([("single-ours", 1, 0, "ours")] if args.single else [])
+        for stage in stages:
+            for variant in reversed(variants) if flip else variants:
+                plan.append((f"stage{stage}-{variant}", args.gpus, stage, variant))
+            flip = not flip
+        for label, gpus, stage, variant in plan:
+            steps = 1 if label == "warmup" else args.steps
+            cfg = timing_input(base, path, variant, steps=steps, disp_freq=disp, stat_file=stat, opt_kw={})
+            cfg["training"]["zero_stage"] = stage
+            print(f"[{path.stem} {label}] {utc_now()}", flush=True)
+            per["order"].append(label)
+            run = per["runs"][label] = _run(args.workdir / path.stem / label, cfg, variant, gpus, args)
+            print(f"[{path.stem} {label}] {json.dumps(run)}", flush=True)
+            if args.json:
+                write_json(args.json, results)
+        for label, run in per["runs"].items():
+            stage0 = f"stage{stages[0]}-{label.split('-', 1)[-1]}"
+            ok = run.get("returncode") == 0 and per["runs"].get(stage0, {}).get("returncode") == 0
+            if label in (stage0, "warmup") or not ok:
+                continue
+            try:
+                ref = _params(args.workdir / path.stem / stage0, args.steps)
+                mine = _params(args.workdir / path.stem / label, args.steps)
+                per["distances"][f"{label} vs {stage0}"] = _distance(mine, ref)
+            except (OSError, RuntimeError, KeyError) as err:
+                per["distances_error"] = f"{label}: {err}"
+    text = report(results)
+    print(text)
     if args.json:
+        results["report"] = text
         write_json(args.json, results)
     return 0
 
