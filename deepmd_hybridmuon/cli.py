@@ -295,7 +295,12 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
 
 #: What each ``training.zero_stage`` makes of the optimizer under ``torchrun``: (strategy, what the optimizer does).
 ZERO_STAGES: dict[int, tuple[str, str]] = {
-    0: ("DDP", "each rank runs the whole optimizer on whole parameters (flat engine)"),
+    0: (
+        "DDP",
+        "every rank steps the whole parameters (flat engine); where a param_group's Newton-Schulz work is large "
+        "enough to pay (ddp_split='auto'), each rank orthogonalises its share of the Muon matrices and one "
+        "all-gather per step shares the updates",
+    ),
     1: (
         "ZeRO-1",
         "ZeroRedundancyOptimizer: each rank steps its own share of whole parameters (flat engine); ranks agree on "

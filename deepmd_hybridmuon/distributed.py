@@ -1,4 +1,7 @@
-"""FSDP2 (``fully_shard``, deepmd's ``zero_stage`` 2 and 3): the owner computes.
+"""Several ranks: FSDP2 (deepmd's ``zero_stage`` 2 and 3) and DDP (``zero_stage`` 0) share the Newton–Schulz work.
+
+FSDP2 (``fully_shard``): the owner computes
+-------------------------------------------
 
 Under FSDP2 every parameter, gradient and parameter-shaped state tensor is a DTensor
 sharded on dim 0 with ``torch.chunk`` semantics (uneven; trailing ranks may hold empty
@@ -38,6 +41,24 @@ shard dimension's process group and computes the same result, and the gate is re
 over both dimensions. Anything else raises ``NotImplementedError``. Gradient presence
 must be the same on every rank, as FSDP2's own reduce-scatter requires.
 
+DDP (replicated parameters, the optimizer's ``ddp_split``)
+---------------------------------------------------------
+Every rank holds the same parameters and the same (all-reduced) gradients. With the split
+(:func:`ddp_split_of` decides, :func:`ddp_step_group` steps): every rank does the elementwise
+work on its whole tensors, as one process does (the inputs are identical, so no collective);
+the same :class:`Plan` gives the owner of each Muon matrix; each rank orthogonalises the
+matrices it owns (stacked by shape, as an FSDP2 owner), scales and damps them; one
+``all_gather_into_tensor`` of the owned deltas (padded to the largest rank's owned size, in
+the transport dtype) gives every rank every delta, and every rank applies them all. Each
+delta is computed once and every rank applies the same bits: the replicas stay bitwise
+identical. The finite gate is local (the gradients are the same on every rank). One
+collective per group with Muon matrices and step, whatever the number of parameters. Under
+``"auto"`` the split runs where it pays (:func:`split_pays`, a function of the plan).
+
+The two steps share their elementwise work (:func:`_local_adam`, :func:`_local_muon`: local
+tensors, which for a plain tensor are the tensor itself) and the owners' Newton–Schulz
+(:func:`_orthogonalize_owned`).
+
 Every collective goes through :func:`_collective`, which :func:`trace_collectives`
 records (the tests compare the sequences of all ranks).
 """
@@ -46,7 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,14 +79,20 @@ if TYPE_CHECKING:
     from .optimizer import HybridMuonOptimizer
 
 __all__ = [
+    "DDP_SPLIT_MIN_COST",
+    "DDP_SPLIT_MODES",
+    "DdpSplit",
     "ParamLayout",
     "Plan",
     "build_plan",
     "chunk_rows",
+    "ddp_split_of",
+    "ddp_step_group",
     "from_owners",
     "is_dtensor",
     "local_shard",
     "plan_of",
+    "split_pays",
     "step_group",
     "to_owners",
     "trace_collectives",
@@ -215,6 +242,19 @@ class _ShapeGroup:
     matrix_ids: torch.Tensor  # global matrix indices (for the Magma factors)
 
 
+@dataclass(frozen=True)
+class _Segments:
+    """Where the matrices lie in a rank's flat Muon buffer, for Magma's per-matrix sums.
+
+    The buffer is cut into consecutive segments of ``lengths`` elements; segment ``i`` is
+    (part of) matrix ``matrix[i]`` of the ``count`` matrices of the plan (numbered in plan order).
+    """
+
+    lengths: torch.Tensor
+    matrix: torch.Tensor
+    count: int
+
+
 class _Exchange:
     """One rank's side of a plan: index tensors of the two all-to-alls and the Magma sums.
 
@@ -232,13 +272,8 @@ class _Exchange:
         # Pieces of every rank: (src, k, j, start in the matrix, length, offset in src's local buffer).
         pieces: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(world)]
         lengths: list[int] = []
-        matrix_base = []
-        base = 0
-        for p in muon:
-            matrix_base.append(base)
-            assert p.view is not None
-            base += p.view[0]
-        self.num_matrices = base
+        matrix_base = _matrix_base(plan)
+        self.num_matrices = sum(p.view[0] for p in muon)  # type: ignore[index]
         for src in range(world):
             offset = 0
             for k, p in enumerate(muon):
@@ -268,23 +303,7 @@ class _Exchange:
             send_index.append(torch.arange(off, off + n))
         self.send_index = _cat_index(send_index, device)
 
-        # Owned matrices, grouped by shape (first appearance), then plan order.
-        owned = [(k, j) for k, p in enumerate(muon) for j in range(p.view[0]) if plan.owners[k][j] == rank]  # type: ignore[index]
-        shapes: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for k, j in owned:
-            _, rows, cols = muon[k].view  # type: ignore[misc]
-            shapes.setdefault((rows, cols), []).append((k, j))
-        start_of: dict[tuple[int, int], int] = {}
-        self.groups: list[_ShapeGroup] = []
-        cursor = 0
-        for (rows, cols), mats in shapes.items():
-            first = cursor
-            for kj in mats:
-                start_of[kj] = cursor
-                cursor += rows * cols
-            ids = torch.tensor([matrix_base[k] + j for k, j in mats], dtype=torch.long, device=device)
-            self.groups.append(_ShapeGroup(rows, cols, first, len(mats), ids))
-        self.owned_numel = cursor
+        self.groups, start_of, self.owned_numel = _owned(plan, rank, device)
 
         # Receive side: pieces of every source owned here, in the senders' order.
         self.recv_splits = [0] * world
@@ -303,8 +322,46 @@ class _Exchange:
         self.gather[self.place] = torch.arange(self.place.numel(), device=device)
 
         # Magma: my pieces as segments of the local buffer (in local order), and their matrices.
-        self.segment_lengths = torch.tensor([pc[3] for pc in mine], dtype=torch.long, device=device)
-        self.segment_matrix = torch.tensor([matrix_base[pc[0]] + pc[1] for pc in mine], dtype=torch.long, device=device)
+        self.segments = _Segments(
+            torch.tensor([pc[3] for pc in mine], dtype=torch.long, device=device),
+            torch.tensor([matrix_base[pc[0]] + pc[1] for pc in mine], dtype=torch.long, device=device),
+            self.num_matrices,
+        )
+
+
+def _matrix_base(plan: Plan) -> list[int]:
+    """Global index of the first matrix of each Muon parameter of ``plan`` (matrices numbered in plan order)."""
+    base, out = 0, []
+    for p in plan.muon:
+        out.append(base)
+        base += p.view[0]  # type: ignore[index]
+    return out
+
+
+def _owned(plan: Plan, rank: int, device: torch.device) -> tuple[list[_ShapeGroup], dict[tuple[int, int], int], int]:
+    """The matrices ``rank`` owns as laid out in its owned buffer: by shape (first appearance), then plan order.
+
+    Returns the shape groups, the buffer offset of each owned matrix ``(k, j)`` (``k``: Muon
+    parameter of the plan, ``j``: matrix of its view) and the buffer's length.
+    """
+    muon, matrix_base = plan.muon, _matrix_base(plan)
+    shapes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for k, p in enumerate(muon):
+        _, rows, cols = p.view  # type: ignore[misc]
+        for j in range(p.view[0]):  # type: ignore[index]
+            if plan.owners[k][j] == rank:
+                shapes.setdefault((rows, cols), []).append((k, j))
+    start_of: dict[tuple[int, int], int] = {}
+    groups: list[_ShapeGroup] = []
+    cursor = 0
+    for (rows, cols), mats in shapes.items():
+        first = cursor
+        for kj in mats:
+            start_of[kj] = cursor
+            cursor += rows * cols
+        ids = torch.tensor([matrix_base[k] + j for k, j in mats], dtype=torch.long, device=device)
+        groups.append(_ShapeGroup(rows, cols, first, len(mats), ids))
+    return groups, start_of, cursor
 
 
 def _cat_index(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -426,7 +483,154 @@ def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
     torch._foreach_copy_(targets, [c.view(t.shape) for c, t in zip(chunks, targets, strict=True)])
 
 
-# ----------------------------------------------------------------------------- step
+# ----------------------------------------------------------------------------- shared by FSDP2 and DDP
+#
+# These helpers work on local tensors: the shards of DTensor parameters (FSDP2), or the whole
+# tensors of replicated parameters (DDP), for which ``local_shard(t)`` is ``t`` and
+# ``opt._local_state`` the state tensor itself.
+
+
+def _local_adam(
+    opt: HybridMuonOptimizer,
+    settings: F.GroupSettings,
+    params: list[tuple[torch.Tensor, str]],
+    grads: dict[int, torch.Tensor],
+    ok: torch.Tensor,
+) -> None:
+    """The Adam and AdamW routes of ``params`` (``(parameter, route)``): elementwise, one flat chain per bucket.
+
+    Elementwise kernels give the same bits on a concatenation, so this matches the loop bitwise.
+    """
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for p, route in params:
+        state = opt._advance_adam_state(p, settings)
+        decay = settings.adam_decay(route)
+        key = (p.dtype, p.device, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
+        buckets.setdefault(key, []).append(p)
+    for (_, _, _, beta1_pow, beta2_pow, decay), ps in buckets.items():
+        locals_ = [local_shard(p) for p in ps]
+        moments = [opt._local_state(p, "exp_avg") for p in ps], [opt._local_state(p, "exp_avg_sq") for p in ps]
+        flat_p, flat_m, flat_v = _flat(locals_), _flat(moments[0]), _flat(moments[1])
+        F.adam_update_(
+            flat_p,
+            _flat([local_shard(grads[id(p)]) for p in ps]),
+            flat_m,
+            flat_v,
+            beta1=settings.beta1,
+            beta2=settings.beta2,
+            beta1_pow=beta1_pow,
+            beta2_pow=beta2_pow,
+            lr=settings.adam_lr,
+            decay_factor=decay,
+            ok=ok,
+        )
+        _write_back(locals_, flat_p)
+        _write_back(moments[0], flat_m)
+        _write_back(moments[1], flat_v)
+
+
+def _local_muon(
+    opt: HybridMuonOptimizer,
+    settings: F.GroupSettings,
+    plan: Plan,
+    muon: list[torch.Tensor],
+    grads: dict[int, torch.Tensor],
+    ok: torch.Tensor,
+    segments: _Segments,
+    reduce: Callable[[torch.Tensor], Any] | None,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Decay, momentum and Magma of the Muon parameters ``muon`` (plan order), on local tensors.
+
+    ``reduce`` completes Magma's per-matrix sums in place (FSDP2: an all-reduce of the shards'
+    partial sums); ``None`` when the local tensors hold whole matrices. Returns the local
+    parameter tensors, their flat concatenation (decayed), the flat Nesterov update (in the
+    momentum's dtype) and Magma's multiplier per matrix (``None`` without Magma).
+    """
+    lr, wd = settings.lr, settings.weight_decay
+    dtypes = {grads[id(p)].dtype for p in muon} | {p.dtype for p in muon}
+    if len({grads[id(p)].dtype for p in muon}) > 1 or len({p.dtype for p in muon}) > 1:
+        raise NotImplementedError(
+            f"Muon parameters of one param_group in several dtypes {sorted(map(str, dtypes))} under FSDP2 or "
+            "ddp_split; HybridMuon needs one parameter dtype and one gradient dtype per group there"
+        )
+    for p in muon:
+        state = opt.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grads[id(p)])  # a DTensor for a DTensor p
+    bufs = [opt._local_state(p, "momentum_buffer") for p in muon]
+    work = bufs[0].dtype
+    locals_ = [local_shard(p) for p in muon]
+    flat_p = _flat(locals_)
+    flat_buf = _flat(bufs)
+    g = F.sanitize(_flat([local_shard(grads[id(p)]) for p in muon]).to(work), ok)
+    if wd > 0:
+        flat_p.mul_(F.gate_factor(1.0 - lr * wd, ok, flat_p.dtype))
+    update = F.nesterov_momentum_(flat_buf, g, settings.momentum, ok)
+    _write_back(bufs, flat_buf)
+    if not settings.magma:
+        return locals_, flat_p, update, None
+
+    scores = []
+    for layout, p in zip(plan.muon, muon, strict=True):
+        state = opt.state[p]
+        score = state.get("magma_score")
+        if is_dtensor(score):
+            score = state["magma_score"] = score.full_tensor()
+        bs = layout.view[0]  # type: ignore[index]
+        if score is None or tuple(score.shape) != (bs,) or score.device != flat_p.device:
+            score = state["magma_score"] = torch.full(
+                (bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=flat_p.device
+            )
+        scores.append(score)
+    m32, g32 = flat_buf.to(torch.float32), g.to(torch.float32)
+    products = torch.stack([m32 * g32, m32 * m32, g32 * g32], dim=1)  # (local elements, 3)
+    sums = torch.zeros(segments.count, 3, dtype=torch.float32, device=flat_p.device)
+    if segments.lengths.numel():
+        pieces = torch.segment_reduce(products, "sum", lengths=segments.lengths, axis=0)
+        sums.index_copy_(0, segments.matrix, pieces)
+    if reduce is not None:
+        reduce(sums)
+    flat_score = _flat(scores)
+    damp = F.magma_scale_(flat_score, F.magma_score(sums[:, 0], sums[:, 1].sqrt(), sums[:, 2].sqrt()), ok)
+    _write_back(scores, flat_score)
+    return locals_, flat_p, update, damp
+
+
+def _orthogonalize_owned(
+    settings: F.GroupSettings,
+    owned: torch.Tensor,
+    groups: list[_ShapeGroup],
+    damp: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """Newton–Schulz of the owned matrices, stacked by shape (``groups``), scaled and damped, into ``out``.
+
+    ``owned`` and ``out`` are owned buffers (:func:`_owned`'s layout); ``out`` may be longer
+    (padding, left as it is) and of a wider dtype.
+    """
+    for sg in groups:
+        n = sg.count * sg.rows * sg.cols
+        orth = F.orthogonalize(owned[sg.start : sg.start + n].view(sg.count, sg.rows, sg.cols), settings.use_gram)
+        d = orth * settings.scale(sg.rows, sg.cols)
+        if damp is not None:
+            d = d * damp[sg.matrix_ids].view(sg.count, 1, 1).to(d.dtype)
+        out[sg.start : sg.start + n].copy_(d.reshape(-1))
+
+
+def _apply_delta(
+    flat_p: torch.Tensor, locals_: list[torch.Tensor], delta: torch.Tensor, ok: torch.Tensor, lr: float
+) -> None:
+    """``p -= lr * delta`` (not when the gate ``ok`` is 0), then the parameters written back."""
+    flat_p.addcmul_(delta, ok.to(flat_p.dtype) * -lr)
+    _write_back(locals_, flat_p)
+
+
+def _wire_dtype(work: torch.dtype) -> torch.dtype:
+    """The dtype matrices travel in: it holds the update and every delta exactly (bfloat16/float16 -> float32)."""
+    return torch.promote_types(work, torch.float32)
+
+
+# ----------------------------------------------------------------------------- FSDP2 step
 
 
 class _Cache:
@@ -485,118 +689,184 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
     for d in range(mesh.ndim):
         _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
 
+    # 2. Adam and AdamW: elementwise on the local shards.
     settings = F.GroupSettings.of(group)
+    routed = list(zip(active, (layout.route for layout in plan.params), strict=True))
+    _local_adam(opt, settings, [(p, route) for p, route in routed if route != "muon"], grads, ok)
 
-    # 2. Adam and AdamW: elementwise on the local shards, one flat chain per bucket.
-    buckets: dict[tuple, list[torch.Tensor]] = {}
-    for layout, p in zip(plan.params, active, strict=True):
-        if layout.route == "muon":
-            continue
-        state = opt._advance_adam_state(p, settings)
-        decay = settings.adam_decay(layout.route)
-        key = (p.dtype, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
-        buckets.setdefault(key, []).append(p)
-    for (_, _, beta1_pow, beta2_pow, decay), ps in buckets.items():
-        locals_ = [local_shard(p) for p in ps]
-        moments = [opt._local_state(p, "exp_avg") for p in ps], [opt._local_state(p, "exp_avg_sq") for p in ps]
-        flat_p, flat_m, flat_v = _flat(locals_), _flat(moments[0]), _flat(moments[1])
-        F.adam_update_(
-            flat_p,
-            _flat([local_shard(grads[id(p)]) for p in ps]),
-            flat_m,
-            flat_v,
-            beta1=settings.beta1,
-            beta2=settings.beta2,
-            beta1_pow=beta1_pow,
-            beta2_pow=beta2_pow,
-            lr=settings.adam_lr,
-            decay_factor=decay,
-            ok=ok,
-        )
-        _write_back(locals_, flat_p)
-        _write_back(moments[0], flat_m)
-        _write_back(moments[1], flat_v)
-
+    # 3. Muon: momentum, decay and Magma on the shards; Newton–Schulz on the owners.
     muon = [group["params"][p.index] for p in plan.muon]
     if not muon:
         return
-    _muon(opt, group, plan, ex, mesh.get_group(shard_dim), muon, grads, ok)
+    pg = mesh.get_group(shard_dim)
 
-
-def _muon(
-    opt: HybridMuonOptimizer,
-    group: dict[str, Any],
-    plan: Plan,
-    ex: _Exchange,
-    pg: Any,
-    muon: list[torch.Tensor],
-    grads: dict[int, torch.Tensor],
-    ok: torch.Tensor,
-) -> None:
-    """Momentum and decay on the shards, Magma sums, the two all-to-alls and Newton–Schulz on the owners."""
-    import torch.distributed as dist
-
-    settings = F.GroupSettings.of(group)
-    lr, wd = settings.lr, settings.weight_decay
-    dtypes = {grads[id(p)].dtype for p in muon} | {p.dtype for p in muon}
-    if len({grads[id(p)].dtype for p in muon}) > 1 or len({p.dtype for p in muon}) > 1:
-        raise NotImplementedError(
-            f"FSDP2: Muon parameters of one param_group in several dtypes {sorted(map(str, dtypes))}; "
-            "HybridMuon needs one parameter dtype and one gradient dtype per group"
-        )
-
-    for p in muon:
-        state = opt.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grads[id(p)])  # a DTensor for a DTensor p
-    bufs = [opt._local_state(p, "momentum_buffer") for p in muon]
-    work = bufs[0].dtype
-    locals_ = [local_shard(p) for p in muon]
-    flat_p = _flat(locals_)
-    flat_buf = _flat(bufs)
-    g = F.sanitize(_flat([local_shard(grads[id(p)]) for p in muon]).to(work), ok)
-    if wd > 0:
-        flat_p.mul_(F.gate_factor(1.0 - lr * wd, ok, flat_p.dtype))
-    update = F.nesterov_momentum_(flat_buf, g, settings.momentum, ok)
-    _write_back(bufs, flat_buf)
-
-    damp = None
-    if settings.magma:
-        scores = []
-        for layout, p in zip(plan.muon, muon, strict=True):
-            state = opt.state[p]
-            score = state.get("magma_score")
-            if is_dtensor(score):
-                score = state["magma_score"] = score.full_tensor()
-            bs = layout.view[0]  # type: ignore[index]
-            if score is None or tuple(score.shape) != (bs,) or score.device != flat_p.device:
-                score = state["magma_score"] = torch.full(
-                    (bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=flat_p.device
-                )
-            scores.append(score)
-        m32, g32 = flat_buf.to(torch.float32), g.to(torch.float32)
-        products = torch.stack([m32 * g32, m32 * m32, g32 * g32], dim=1)  # (local elements, 3)
-        sums = torch.zeros(ex.num_matrices, 3, dtype=torch.float32, device=flat_p.device)
-        if ex.segment_lengths.numel():
-            pieces = torch.segment_reduce(products, "sum", lengths=ex.segment_lengths, axis=0)
-            sums.index_copy_(0, ex.segment_matrix, pieces)
+    def reduce(sums: torch.Tensor) -> None:  # Magma: whole-matrix sums from the shards' partial sums
         _collective("all_reduce", (sums.numel(),), dist.all_reduce, sums, op=dist.ReduceOp.SUM, group=pg)
-        flat_score = _flat(scores)
-        damp = F.magma_scale_(flat_score, F.magma_score(sums[:, 0], sums[:, 1].sqrt(), sums[:, 2].sqrt()), ok)
-        _write_back(scores, flat_score)
 
-    # The transport dtype holds the update and every delta exactly (bfloat16/float16 ->
-    # float32), so the owner sees the bits one process does.
-    wire = torch.promote_types(work, torch.float32)
+    locals_, flat_p, update, damp = _local_muon(opt, settings, plan, muon, grads, ok, ex.segments, reduce)
+    work = update.dtype
+    wire = _wire_dtype(work)
     owned = to_owners(ex, update.to(wire), pg).to(work)
     delta = torch.empty_like(owned, dtype=wire)
-    for sg in ex.groups:
-        n = sg.count * sg.rows * sg.cols
-        orth = F.orthogonalize(owned[sg.start : sg.start + n].view(sg.count, sg.rows, sg.cols), settings.use_gram)
-        d = orth * settings.scale(sg.rows, sg.cols)
-        if damp is not None:
-            d = d * damp[sg.matrix_ids].view(sg.count, 1, 1).to(d.dtype)
-        delta[sg.start : sg.start + n].copy_(d.reshape(-1))
-    local_delta = from_owners(ex, delta, pg)
-    flat_p.addcmul_(local_delta, ok.to(flat_p.dtype) * -lr)
-    _write_back(locals_, flat_p)
+    _orthogonalize_owned(settings, owned, ex.groups, damp, delta)
+    _apply_delta(flat_p, locals_, from_owners(ex, delta, pg), ok, settings.lr)
+
+
+# ----------------------------------------------------------------------------- DDP step
+
+#: Values of the optimizer's ``ddp_split`` keyword (see :func:`ddp_split_of`).
+DDP_SPLIT_MODES: tuple[str, ...] = ("off", "auto", "always")
+
+#: ``ddp_split="auto"`` splits a param_group when the Newton–Schulz work the split saves each
+#: rank, ``sum(plan.load) - max(plan.load)`` in :func:`ns_cost` units, exceeds this. Source:
+#: measured on 2×H200 by benchmarks/ddp_split.py; see BENCHMARKS.md. Until that measurement,
+#: a first estimate: the split trades the flat engine (Triton kernels, one CUDA graph) for
+#: eager torch kernels and an all-gather, about 1 ms more per step; Newton–Schulz runs
+#: about 60 flops per cost unit (10 iterations) at some 100 TFLOP/s in bfloat16, so it must
+#: save some 2e9 units (e.g. 8 matrices of 1024 × 1024 on 2 ranks save 4.3e9).
+DDP_SPLIT_MIN_COST: int = 2 * 10**9
+
+
+def split_pays(plan: Plan) -> bool:
+    """Whether splitting Newton–Schulz over ``plan.world`` replicas beats computing it on every rank.
+
+    A pure function of the plan (metadata, the same on every rank): the cost each rank saves,
+    all the group's Newton–Schulz work less the largest rank's share, exceeds
+    :data:`DDP_SPLIT_MIN_COST`.
+    """
+    saved = sum(plan.load) - max(plan.load, default=0)
+    return plan.world > 1 and saved > DDP_SPLIT_MIN_COST
+
+
+class DdpSplit:
+    """One rank's side of the DDP split of a param_group: the plan, and where the deltas go.
+
+    The Muon buffer is the flat concatenation of the group's whole Muon parameters in plan
+    order (the same on every rank). This rank takes its owned matrices out of it
+    (``owned_index``, laid out by :func:`_owned`), orthogonalises them into a buffer of
+    ``pad`` elements (the largest rank's owned size; zeros after its own), and the
+    all-gather puts every rank's buffer side by side: ``perm`` gives, for each element of
+    the Muon buffer, its position in the gathered one.
+    """
+
+    def __init__(self, plan: Plan, rank: int, device: torch.device) -> None:
+        self.plan, self.rank = plan, rank
+        muon = plan.muon
+        starts, total = [], 0
+        for p in muon:
+            starts.append(total)
+            total += math.prod(p.view)  # type: ignore[arg-type]
+        layouts = [_owned(plan, r, device) for r in range(plan.world)]
+        self.groups, mine, self.owned_numel = layouts[rank]
+        self.pad = max(numel for _, _, numel in layouts)
+        perm = torch.empty(total, dtype=torch.long)
+        for r, (_, start_of, _) in enumerate(layouts):
+            for (k, j), at in start_of.items():
+                size = muon[k].view[1] * muon[k].view[2]  # type: ignore[index]
+                pos = starts[k] + j * size
+                perm[pos : pos + size] = torch.arange(r * self.pad + at, r * self.pad + at + size)
+        self.perm = perm.to(device)
+        owned_index = torch.empty(self.owned_numel, dtype=torch.long)
+        for (k, j), at in mine.items():
+            size = muon[k].view[1] * muon[k].view[2]  # type: ignore[index]
+            owned_index[at : at + size] = torch.arange(starts[k] + j * size, starts[k] + (j + 1) * size)
+        self.owned_index = owned_index.to(device)
+        sizes = [p.view[1] * p.view[2] for p in muon for _ in range(p.view[0])]  # type: ignore[index]
+        self.segments = _Segments(
+            torch.tensor(sizes, dtype=torch.long, device=device),
+            torch.arange(len(sizes), dtype=torch.long, device=device),
+            len(sizes),
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The ``execution_table`` row of a group that ran the split."""
+        return {
+            "implementation": "ddp-split",
+            "world": self.plan.world,
+            "matrices": self.segments.count,
+            "owned_matrices": sum(sg.count for sg in self.groups),
+            "ns_cost_per_rank": max(self.plan.load),
+            "ns_cost_total": sum(self.plan.load),
+        }
+
+
+class _DdpCache:
+    """A group's split decision (and split, when it runs), rebuilt when the active parameters or routing change."""
+
+    def __init__(self, key: tuple, split: DdpSplit | None) -> None:
+        self.key, self.split = key, split
+
+
+def ddp_split_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) -> DdpSplit | None:
+    """The DDP split of param_group ``index`` when it runs this step, else ``None`` (the flat engine runs).
+
+    ``None`` unless ``opt.ddp_split`` is ``"always"``, or ``"auto"`` and :func:`split_pays`;
+    torch.distributed is initialised with more than one rank; and the group has Muon
+    matrices, its active parameters are plain tensors on one device, and its Muon
+    parameters have one dtype. Every condition is metadata, the same on every rank of DDP
+    (parameters and gradient presence are replicated), so all ranks decide alike.
+    """
+    mode = opt.ddp_split
+    if mode == "off":
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    active = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None and p.numel() > 0]
+    key = (tuple(id(p) for _, p in active), opt._names_version, group["muon_mode"], world, rank, mode)
+    caches: dict[int, _DdpCache] = opt.__dict__.setdefault("_ddp_splits", {})
+    cache = caches.get(index)
+    if cache is None or cache.key != key:
+        plan = build_plan([(i, tuple(p.shape), opt.route_of(p, group)) for i, p in active], world)
+        muon = [group["params"][layout.index] for layout in plan.muon]
+        fits = (
+            bool(muon)
+            and not any(is_dtensor(p) for _, p in active)
+            and len({p.device for _, p in active}) == 1
+            and len({p.dtype for p in muon}) == 1
+            and len({p.grad.dtype for p in muon}) == 1  # type: ignore[union-attr]
+        )
+        runs = fits and (mode == "always" or split_pays(plan))
+        cache = caches[index] = _DdpCache(key, DdpSplit(plan, rank, active[0][1].device) if runs else None)
+    return cache.split
+
+
+def ddp_step_group(
+    opt: HybridMuonOptimizer, group: dict[str, Any], split: DdpSplit, shared: torch.Tensor | None = None
+) -> None:
+    """One step of a param_group of replicated parameters (DDP), Newton–Schulz split across the ranks.
+
+    Every rank does the elementwise work (Adam routes, momentum, decay, Magma) on its whole
+    tensors, as one process does; it orthogonalises only the matrices it owns; one
+    ``all_gather_into_tensor`` gives every rank every delta, which every rank applies. Each
+    delta is computed once, so the replicas stay bitwise identical. ``shared``: the finite
+    flag already agreed across ranks (``nonfinite_across_ranks``), combined with the gate.
+    """
+    import torch.distributed as dist
+
+    plan = split.plan
+    active = [group["params"][p.index] for p in plan.params]
+    grads = {id(p): opt._grad_of(p) for p in active}
+
+    # 1. The finite gate: the gradients are the same on every rank (DDP all-reduced them), so is the gate.
+    ok = F.finite_gate(list(grads.values()))
+    if shared is not None:
+        ok = torch.minimum(ok, shared.to(ok.device))
+
+    # 2. Adam and AdamW, momentum, decay and Magma: on the whole tensors, as one process.
+    settings = F.GroupSettings.of(group)
+    routed = list(zip(active, (layout.route for layout in plan.params), strict=True))
+    _local_adam(opt, settings, [(p, route) for p, route in routed if route != "muon"], grads, ok)
+    muon = [group["params"][p.index] for p in plan.muon]
+    locals_, flat_p, update, damp = _local_muon(opt, settings, plan, muon, grads, ok, split.segments, None)
+
+    # 3. Newton–Schulz of the owned matrices; one all-gather of every rank's deltas (padded
+    # to the largest rank's size: a rank owning nothing sends padding).
+    wire = _wire_dtype(update.dtype)
+    send = torch.zeros(split.pad, dtype=wire, device=update.device)
+    _orthogonalize_owned(settings, update[split.owned_index], split.groups, damp, send)
+    gathered = torch.empty(split.pad * plan.world, dtype=wire, device=update.device)
+    _collective("all_gather", (split.pad,), dist.all_gather_into_tensor, gathered, send)
+    _apply_delta(flat_p, locals_, gathered[split.perm], ok, settings.lr)

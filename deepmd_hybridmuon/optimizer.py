@@ -39,7 +39,9 @@ GROUP_KEYS: tuple[str, ...] = (
 #: Keys other code may add to a param_group: torch's schedulers and named groups.
 _FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
 #: Constructor keywords that are settings of the optimizer, not of a param_group.
-_OPTIMIZER_KEYS: frozenset[str] = frozenset({"flash_muon", "use_foreach", "named_parameters", "nonfinite_across_ranks"})
+_OPTIMIZER_KEYS: frozenset[str] = frozenset(
+    {"flash_muon", "use_foreach", "named_parameters", "nonfinite_across_ranks", "ddp_split"}
+)
 #: The ways a param_group's step can run; all compute the same step. Not an option: the
 #: default is always right for users. Tests and benchmarks pick one by setting the private
 #: attribute ``_implementation`` of an optimizer before its first step (the only switch;
@@ -159,7 +161,8 @@ class HybridMuonOptimizer(Optimizer):
     gradients hold NaN or inf is skipped (parameters and state unchanged, decided on the
     device; see :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor)
     parameters work, each Muon matrix orthogonalised once, on one owner rank
-    (:mod:`deepmd_hybridmuon.distributed`).
+    (:mod:`deepmd_hybridmuon.distributed`); under DDP the replicas can share the
+    Newton–Schulz work (``ddp_split``).
 
     Implementations: the per-parameter loop in this class is the specification; the flat
     engine (:mod:`deepmd_hybridmuon.engine`) computes the same step in batched kernels, with
@@ -206,6 +209,24 @@ class HybridMuonOptimizer(Optimizer):
         ``step()`` all-reduces the finite flag over the default process group, so a
         non-finite gradient anywhere skips the step on every rank. Every rank must then call
         ``step()`` the same number of times. The plugin turns it on for ``zero_stage`` 1.
+    ddp_split
+        Keyword-only. ``"off"`` (default), ``"auto"`` or ``"always"``: for replicated plain
+        parameters under DDP (deepmd's ``zero_stage`` 0: every rank holds the same parameters
+        and the same all-reduced gradients), split the Newton–Schulz work of each param_group
+        across the ranks instead of computing it on every rank. Every rank does the
+        elementwise work on its whole tensors, orthogonalises only the matrices it owns (owners
+        balanced by Newton–Schulz cost, the same on every rank), and one all-gather per group
+        and step gives every rank every delta; each delta is computed once, so the replicas stay
+        bitwise identical. ``"auto"`` splits a group only where that pays
+        (:func:`deepmd_hybridmuon.distributed.split_pays`: the Newton–Schulz work it saves each
+        rank exceeds :data:`deepmd_hybridmuon.distributed.DDP_SPLIT_MIN_COST`), else the flat
+        engine runs as with ``"off"``; ``"always"`` splits every group with Muon matrices. It
+        changes nothing without torch.distributed initialised with more than one rank, for
+        DTensor (FSDP2) parameters, and for a group whose parameters span devices or whose Muon
+        parameters have several dtypes. Every rank must call ``step()`` the same number of
+        times. Never use it under ZeRO-1 (``ZeroRedundancyOptimizer``, ``zero_stage`` 1): each
+        rank has different parameters there, and the ranks' collectives would not match. The
+        plugin passes ``"auto"`` at ``zero_stage`` 0 with more than one rank.
     """
 
     def __init__(
@@ -225,11 +246,15 @@ class HybridMuonOptimizer(Optimizer):
         use_foreach: bool | None = None,
         *,
         nonfinite_across_ranks: bool = False,
+        ddp_split: str = "off",
     ) -> None:
         flags = {"flash_muon": flash_muon, "nonfinite_across_ranks": nonfinite_across_ranks}
         for key, flag in flags.items():
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {key}: {flag!r}; expected true or false")
+        if not isinstance(ddp_split, str) or ddp_split not in distributed.DDP_SPLIT_MODES:
+            allowed = ", ".join(repr(m) for m in distributed.DDP_SPLIT_MODES)
+            raise ValueError(f"Invalid ddp_split: {ddp_split!r}; expected one of {allowed}")
         if use_foreach is not None and not isinstance(use_foreach, bool):
             raise ValueError(f"Invalid use_foreach: {use_foreach!r}; expected true, false or None")
         defaults = {
@@ -247,6 +272,8 @@ class HybridMuonOptimizer(Optimizer):
         defaults["muon_mode"] = str(muon_mode).lower()
         self.flash_muon = flash_muon
         self.nonfinite_across_ranks = nonfinite_across_ranks
+        self.ddp_split = ddp_split
+        self._ddp_summaries: dict[int, dict[str, Any]] = {}  # groups whose last step ran the DDP split
         self._implementation = "engine"  # see IMPLEMENTATIONS
         self._param_names: dict[int, str] = {}
         self._names_version = 0  # bumped when names change: the flat engines rebuild
@@ -263,7 +290,7 @@ class HybridMuonOptimizer(Optimizer):
         """Add a param_group after validating its keys and values (also after steps).
 
         Keys of the constructor that are no group hyperparameters (``flash_muon``,
-        ``use_foreach``, ``nonfinite_across_ranks``) are dropped: ``ZeroRedundancyOptimizer``
+        ``use_foreach``, ``nonfinite_across_ranks``, ``ddp_split``) are dropped: ``ZeroRedundancyOptimizer``
         copies every constructor keyword into the groups it hands to its local optimizer.
         """
         param_group = {k: v for k, v in param_group.items() if k not in _OPTIMIZER_KEYS}
@@ -389,6 +416,14 @@ class HybridMuonOptimizer(Optimizer):
             if any(distributed.is_dtensor(p) for p in group["params"]):
                 distributed.step_group(self, index, group, shared)  # FSDP2: the owner computes
                 continue
+            split = distributed.ddp_split_of(self, index, group)
+            if split is not None:  # DDP: Newton–Schulz split across the replicas
+                # The engine holds the state as views and reads it at build: rebuild it if it runs again.
+                self._engines.pop(index, None)
+                self._ddp_summaries[index] = split.summary()
+                distributed.ddp_step_group(self, group, split, shared)
+                continue
+            self._ddp_summaries.pop(index, None)
             engine = self._engine(index, group)
             if engine is None or not engine.step(group, shared):
                 if engine is not None and not self._said_loop:
@@ -478,8 +513,11 @@ class HybridMuonOptimizer(Optimizer):
         """How steps run, one row per param_group, as of the last step.
 
         ``implementation``: ``"engine"`` (the flat engine; it hands a step to the loop when
-        Adam parameters are at different step counts, logged once) or ``"loop"`` (not stepped
-        yet, the loop chosen, or a group the engine does not support). For the engine also:
+        Adam parameters are at different step counts, logged once), ``"ddp-split"`` (the
+        Newton–Schulz work split across DDP replicas, ``ddp_split``; also ``world``,
+        ``matrices``, ``owned_matrices`` by this rank, ``ns_cost_per_rank`` and
+        ``ns_cost_total`` in :func:`deepmd_hybridmuon.distributed.ns_cost` units) or ``"loop"``
+        (not stepped yet, the loop chosen, or a group the engine does not support). For the engine also:
         ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
         kernels are compiled), ``cuda_graph`` (steps replay a captured graph), and the paths of
         the Muon matrices: ``program_matrices`` (one Triton program each), ``panelled`` (some
@@ -488,6 +526,9 @@ class HybridMuonOptimizer(Optimizer):
         """
         rows = []
         for index, group in enumerate(self.param_groups):
+            if index in self._ddp_summaries:
+                rows.append(dict(self._ddp_summaries[index]))
+                continue
             engine = self._engines.get(index)
             fresh = engine is not None and engine.signature == self._engine_signature(group)
             rows.append(engine.summary() if fresh else {"implementation": "loop"})

@@ -17,6 +17,10 @@ Scenarios
   deepmd's trainer does; its consolidated state dict resumes a single-process optimizer.
   A NaN gradient skips the step on every rank with ``nonfinite_across_ranks`` (what the
   plugin sets for ``zero_stage`` 1); without it only the owning rank's partition skips.
+* DDP split (``ddp_split``, zero_stage 0): replicated synthetic parameters, each rank
+  orthogonalising its share of the Muon matrices, one all-gather per step; on 2 ranks (the
+  pair) and 3 (spawned apart); with ``"auto"`` a tiny group runs the flat engine, no collective.
+  The plugin passes ``ddp_split="auto"`` at ``zero_stage`` 0 (deepmd's real ``_create_optimizer``).
 * FSDP2: ``fully_shard`` over a float32 DPA-2 model plus extra parameters (uneven first
   dimensions, an empty shard, a 3-D slice-mode tensor, rank-deficient gradients, AdamW);
   default options (Gram path and Magma on); a step with a NaN in one rank's shard only;
@@ -186,7 +190,28 @@ def _scenario_ddp(rank: int, outdir: str) -> None:
         opt.zero_grad(set_to_none=True)
         _loss(ddp, rank, k).backward()
         opt.step()
-    _save(outdir, "ddp", rank, {"params": _snapshot(named)})
+    _save(outdir, "ddp", rank, {"params": _snapshot(named), "plugin_ddp_split": _plugin_ddp_split()})
+
+
+def _plugin_ddp_split() -> dict[int, str]:
+    """``ddp_split`` of the optimizer deepmd's real ``_create_optimizer`` (our wrapper) builds, per zero_stage.
+
+    The trainer is built only as far as that method needs (as in test_plugin.py).
+    """
+    import types
+
+    import deepmd.backend  # noqa: F401  (loads our "deepmd.backend" entry point, as `dp` does)
+    from deepmd.pt.train import training
+
+    out = {}
+    for stage in (0, 1):
+        trainer = training.Trainer.__new__(training.Trainer)
+        trainer.sharding = types.SimpleNamespace(stage=stage)
+        trainer.wrapper = torch.nn.Linear(8, 4)
+        trainer._hybridmuon_section = {}
+        opt = trainer._create_optimizer(training.HybridMuonOptimizer, lr=1e-3)
+        out[stage] = (opt.optim if stage == 1 else opt).ddp_split
+    return out
 
 
 def _scenario_zero(rank: int, outdir: str) -> None:
@@ -488,7 +513,71 @@ def _scenario_owner(rank: int, outdir: str) -> None:
     _save(outdir, f"owner{world}", rank, results)
 
 
-SCENARIOS = {"fsdp2": _scenario_fsdp2, "zero": _scenario_zero, "ddp": _scenario_ddp, "owner": _scenario_owner}
+# ----------------------------------------------------------------------------- DDP: the split
+
+#: World sizes of the DDP-split scenario (2 in the pair; 3 spawned apart).
+DDP_SPLIT_WORLDS = (2, 3)
+DDP_SPLIT_STEPS = OWNER_STEPS
+
+
+def _scenario_ddp_split(rank: int, outdir: str) -> None:
+    """``ddp_split`` on replicated parameters: results, state, collective sequences, per rank.
+
+    The gradients are the same on every rank, as after DDP's all-reduce (its averaging is
+    tested by the "ddp" scenario): the synthetic model of the owner scenario with its NaN
+    step, a one-matrix model (ranks without a matrix) and ``"auto"`` on the synthetic model.
+    """
+    import torch.distributed as dist
+
+    from deepmd_hybridmuon import distributed as D
+
+    world = dist.get_world_size()
+
+    def run(net: torch.nn.Module, steps: int, **options: object) -> dict[str, object]:
+        named = list(net.named_parameters())
+        opt = HybridMuonOptimizer([p for _, p in named], named_parameters=named, lr=LR, **options)
+        out: dict[str, object] = {"traces": []}
+        for k in range(steps):
+            for (_, p), g in zip(named, _owner_grads(named, k), strict=True):
+                p.grad = None if g is None else g.clone()
+            before = _snapshot(named)
+            with D.trace_collectives() as trace:
+                opt.step()
+            out["traces"].append(list(trace))
+            if k == OWNER_NAN_STEP:
+                after = _snapshot(named)
+                out["moved_in_nan_step"] = [n for n in before if not torch.equal(before[n], after[n])]
+        out["end"] = _snapshot(named)
+        out["state"] = _state_by_name(opt, named)
+        out["table"] = opt.execution_table()
+        return out
+
+    results: dict[str, object] = {}
+    for label, options in OWNER_OPTIONS.items():
+        for copies in OWNER_COPIES:
+            results[f"{label}/{copies}"] = run(_Synthetic(copies), DDP_SPLIT_STEPS, ddp_split="always", **options)
+    results["lonely"] = run(_Lonely(), 2, ddp_split="always")
+    results["auto"] = run(_Synthetic(1), 2, ddp_split="auto")
+    _save(outdir, f"ddp_split{world}", rank, results)
+
+
+class _Lonely(torch.nn.Module):
+    """One Muon matrix (and an Adam bias): every rank but its owner owns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.w = torch.nn.Parameter(0.1 * torch.randn(6, 5, generator=gen))
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(5, generator=gen))
+
+
+SCENARIOS = {
+    "fsdp2": _scenario_fsdp2,
+    "zero": _scenario_zero,
+    "ddp": _scenario_ddp,
+    "owner": _scenario_owner,
+    "ddp_split": _scenario_ddp_split,
+}
 
 
 def _worker(rank: int, port: int, outdir: str, world: int, names: tuple[str, ...]) -> None:
@@ -613,6 +702,18 @@ def owner_runs(run: _Run, tmp_path_factory: pytest.TempPathFactory) -> dict[int,
         if world != WORLD:
             outdir = tmp_path_factory.mktemp(f"owner{world}")
             error, seconds = _spawn(outdir, world, ("owner",))
+            runs[world] = _Run(outdir, error, seconds)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def ddp_split_runs(run: _Run, tmp_path_factory: pytest.TempPathFactory) -> dict[int, _Run]:
+    """The DDP-split scenario on every world size (2: from the pair of ``run``)."""
+    runs = {WORLD: run}
+    for world in DDP_SPLIT_WORLDS:
+        if world != WORLD:
+            outdir = tmp_path_factory.mktemp(f"ddp_split{world}")
+            error, seconds = _spawn(outdir, world, ("ddp_split",))
             runs[world] = _Run(outdir, error, seconds)
     return runs
 
@@ -810,13 +911,14 @@ def test_children_finish(run: _Run) -> None:
 # ----------------------------------------------------------------------------- checks: the owner computes
 
 
-def _owner_reference(options: dict) -> dict:
-    net = _Synthetic(1)
+def _owner_reference(options: dict, net: torch.nn.Module | None = None, steps: int = OWNER_STEPS) -> dict:
+    """The single-process loop on ``net`` (default: the synthetic model) with :func:`_owner_grads`."""
+    net = _Synthetic(1) if net is None else net
     named = list(net.named_parameters())
     params = [p for _, p in named]
     opt = make_optimizer(params, "loop", named_parameters=named, lr=LR, **options)
     start = _snapshot(named)
-    for k in range(OWNER_STEPS):
+    for k in range(steps):
         for p, g in zip(params, _owner_grads(named, k), strict=True):
             p.grad = None if g is None else g.clone()
         opt.step()
@@ -888,3 +990,113 @@ def test_fsdp2_owner_collectives(owner_runs: dict[int, _Run], world: int) -> Non
             kinds[copies] = [[kind for kind, _ in step] for step in traces[0]]
             assert all(step == ["all_reduce", "all_reduce", "all_to_all", "all_to_all"] for step in kinds[copies])
         assert kinds[OWNER_COPIES[0]] == kinds[OWNER_COPIES[-1]]
+
+
+# ----------------------------------------------------------------------------- checks: the DDP split
+
+
+def _ddp_split(runs: dict[int, _Run], world: int, rank: int = 0) -> dict:
+    return runs[world].result(f"ddp_split{world}", rank)
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, state in want.items():
+        assert got[name].keys() == state.keys(), name
+        for key, value in state.items():
+            same = torch.equal(got[name][key], value) if isinstance(value, torch.Tensor) else got[name][key] == value
+            assert same, (name, key)
+
+
+def test_ddp_split_rule() -> None:
+    """ "auto" splits where the Newton–Schulz work each rank saves exceeds DDP_SPLIT_MIN_COST: metadata only."""
+    from deepmd_hybridmuon import distributed as D
+
+    def plan(n: int, count: int, world: int) -> D.Plan:
+        route = F.route_parameter("w", (count, n, n), "slice")
+        return D.build_plan([(0, (count, n, n), route)], world)
+
+    # 8 matrices of n × n on 2 ranks: each rank saves 4 of them; n is the smallest power of 2 that pays.
+    n = 16
+    while 4 * D.ns_cost(n, n) <= D.DDP_SPLIT_MIN_COST:
+        n *= 2
+    assert D.split_pays(plan(n, 8, 2)) and D.split_pays(plan(n, 8, 3))
+    assert not D.split_pays(plan(n // 2, 8, 2))
+    assert not D.split_pays(plan(n, 8, 1))  # one rank: nothing to share
+    assert not D.split_pays(plan(n, 1, 2))  # one matrix: nothing saved
+
+
+@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
+@pytest.mark.parametrize("label", list(OWNER_OPTIONS))
+def test_ddp_split_matches_one_process(ddp_split_runs: dict[int, _Run], world: int, label: str) -> None:
+    """2-D, 3-D slice, flat, AdamW, Adam and grad-less parameters, Gram and Magma on: replicas bitwise
+    identical (parameters and every state tensor), and the single-process loop's result.
+
+    Muon within OWNER_RTOL_MUON: the owners orthogonalise the loop's whole matrices, stacked by
+    shape, but Magma's cosines come from per-matrix segment sums (float32, another order of
+    summation than the loop's norms), whose rounding can move a bfloat16/float16 rounding of
+    the Newton–Schulz result. Adam-routed tensors are elementwise: bitwise.
+    """
+    res = _ddp_split(ddp_split_runs, world)[f"{label}/1"]
+    assert res["table"][0]["implementation"] == "ddp-split" and res["table"][0]["world"] == world
+    for rank in range(1, world):
+        other = _ddp_split(ddp_split_runs, world, rank)[f"{label}/1"]
+        _assert_exact(other["end"], res["end"])
+        _assert_same_state(other["state"], res["state"])
+    ref = _owner_reference(OWNER_OPTIONS[label])
+    got = res["end"]
+    assert torch.equal(got["blocks.0.p.nograd"], ref["start"]["blocks.0.p.nograd"])
+    muon = {n for n in got if _route(n, got[n].shape, label) == "muon"}
+    assert {"blocks.0.p.w2d", "blocks.0.p.slab", "blocks.0.p.lead1"} <= muon
+    _assert_matches_loop(ref["start"], got, ref["end"], label)
+
+
+@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
+def test_ddp_split_nan_skips_every_rank(ddp_split_runs: dict[int, _Run], world: int) -> None:
+    """A NaN gradient (on every rank, as after DDP's all-reduce): no parameter moves on any rank."""
+    for rank in range(world):
+        res = _ddp_split(ddp_split_runs, world, rank)
+        for label in OWNER_OPTIONS:
+            for copies in OWNER_COPIES:
+                assert res[f"{label}/{copies}"]["moved_in_nan_step"] == [], (rank, label, copies)
+
+
+@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
+def test_ddp_split_collectives(ddp_split_runs: dict[int, _Run], world: int) -> None:
+    """One all-gather per step on every rank, the same sequence (sizes too), for 1× and 3× the parameters."""
+    for label in OWNER_OPTIONS:
+        kinds = {}
+        for copies in OWNER_COPIES:
+            traces = [_ddp_split(ddp_split_runs, world, r)[f"{label}/{copies}"]["traces"] for r in range(world)]
+            assert all(t == traces[0] for t in traces), (label, copies)
+            kinds[copies] = [[kind for kind, _ in step] for step in traces[0]]
+            assert kinds[copies] == [["all_gather"]] * DDP_SPLIT_STEPS, kinds[copies]
+        assert kinds[OWNER_COPIES[0]] == kinds[OWNER_COPIES[-1]]
+
+
+@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
+def test_ddp_split_rank_without_matrices(ddp_split_runs: dict[int, _Run], world: int) -> None:
+    """One Muon matrix: its owner computes, the other ranks send padding; all end with the loop's result."""
+    results = [_ddp_split(ddp_split_runs, world, r)["lonely"] for r in range(world)]
+    owned = [r["table"][0]["owned_matrices"] for r in results]
+    assert sorted(owned) == [0] * (world - 1) + [1]
+    for r in results[1:]:
+        _assert_exact(r["end"], results[0]["end"])
+        assert r["traces"] == results[0]["traces"]
+    ref = _owner_reference({}, _Lonely(), steps=2)
+    _assert_matches_loop(ref["start"], results[0]["end"], ref["end"])
+
+
+@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
+def test_ddp_split_auto_keeps_the_engine_for_small_groups(ddp_split_runs: dict[int, _Run], world: int) -> None:
+    """ "auto" on a group far below DDP_SPLIT_MIN_COST: the flat engine runs, no collective is issued."""
+    for rank in range(world):
+        res = _ddp_split(ddp_split_runs, world, rank)["auto"]
+        assert res["traces"] == [[], []]
+        assert res["table"][0]["implementation"] == "engine"
+
+
+def test_plugin_passes_ddp_split_auto_at_stage_0(run: _Run) -> None:
+    """deepmd's trainer on 2 ranks: "auto" at zero_stage 0; ZeRO-1's local optimizer keeps "off"."""
+    for rank in range(WORLD):
+        assert run.result("ddp", rank)["plugin_ddp_split"] == {0: "auto", 1: "off"}

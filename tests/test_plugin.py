@@ -226,6 +226,7 @@ def test_zero_stage_1_makes_ranks_agree_on_skipping(stage, tmp_path):
         assert isinstance(opt, ZeroRedundancyOptimizer) == (stage == 1)
         assert isinstance(local, HybridMuonOptimizer)
         assert local.nonfinite_across_ranks == (stage == 1)
+        assert local.ddp_split == "off"  # one rank: nothing to split (test_distributed: "auto" on two)
         for p in trainer.wrapper.parameters():
             p.grad = torch.ones_like(p)
         opt.step()  # the all-reduce of the flag runs (one rank)

@@ -24,6 +24,7 @@ NONNEG = "expected a value in [0, inf)"
 FINITE = "expected a finite number"
 REAL = "expected a real number"
 BOOL = "expected true or false"
+SPLIT = "expected one of 'off', 'auto', 'always'"
 
 #: (keyword arguments, exact message). Every message names the key, shows the value
 #: as repr() and says what is allowed.
@@ -68,6 +69,10 @@ BAD_ARGUMENTS = [
     ({"flash_muon": 1}, f"Invalid flash_muon: 1; {BOOL}"),
     ({"flash_muon": None}, f"Invalid flash_muon: None; {BOOL}"),
     ({"nonfinite_across_ranks": "yes"}, f"Invalid nonfinite_across_ranks: 'yes'; {BOOL}"),
+    ({"ddp_split": "on"}, f"Invalid ddp_split: 'on'; {SPLIT}"),
+    ({"ddp_split": "Auto"}, f"Invalid ddp_split: 'Auto'; {SPLIT}"),
+    ({"ddp_split": True}, f"Invalid ddp_split: True; {SPLIT}"),
+    ({"ddp_split": None}, f"Invalid ddp_split: None; {SPLIT}"),
 ]
 
 
@@ -86,7 +91,7 @@ def test_bad_constructor_argument(kwargs: dict, message: str) -> None:
 
 
 #: The group-level hyperparameters (the other flags are optimizer-level).
-OPTIMIZER_FLAGS = ("flash_muon", "nonfinite_across_ranks")
+OPTIMIZER_FLAGS = ("flash_muon", "nonfinite_across_ranks", "ddp_split")
 BAD_GROUP_VALUES = [(kw, msg) for kw, msg in BAD_ARGUMENTS if not set(kw) & set(OPTIMIZER_FLAGS)]
 
 
