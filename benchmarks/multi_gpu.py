@@ -6,7 +6,7 @@ For each config, stage (0: DDP, 1: ZeRO-1, 2 and 3: FSDP2) and optimizer variant
 every optimizer step timed by CUDA events) on a short schedule of a shared config. The
 order of the variants alternates from one stage to the next (ours, adamw, builtin, then
 builtin, adamw, ours, ...) and is recorded; a 1-step run before them computes the data
-statistics file they all load. It reports:
+statistics file they all load and compiles the Triton kernels into Triton's cache. It reports:
 
 * deepmd's average s/batch (the first ``disp_freq`` batches left out);
 * the optimizer step's own time: median over the steps after ``--skip`` of the CUDA-event
@@ -72,6 +72,8 @@ def _step_ms(times_dir: Path, skip: int) -> dict[str, Any]:
 
 def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argparse.Namespace) -> dict[str, Any]:
     env = {**prepare_run(rundir, cfg, variant == "builtin"), **NO_MULTICAST_ENV, "STEP_TIMES_DIR": "step_times"}
+    if rundir.name == "warmup":
+        env["WAIT_FOR_KERNELS"] = "180"
     launch = ["torchrun", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else [sys.executable]
     cmd = [*launch, str(TIMED_DP), "--pt", "train", "input.json"]
     t0 = time.perf_counter()
@@ -154,6 +156,7 @@ def main() -> int:
     ap.add_argument("--disp-freq", type=int, default=None, help="default: steps // 4")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--builtin-stages", default=None, help="stages of the built-in (default: --stages)")
     ap.add_argument("--skip", type=int, default=10, help="optimizer steps left out of the step time (warm-up)")
     ap.add_argument("--single", action="store_true", help="also one 1-GPU run of ours per config")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
@@ -164,6 +167,7 @@ def main() -> int:
     if bad := [v for v in variants if v not in VARIANTS]:
         ap.error(f"unknown variants {bad}; choose from {','.join(VARIANTS)}")
     stages = [int(s) for s in args.stages.split(",")]
+    builtin_stages = [int(s) for s in (args.builtin_stages or args.stages).split(",") if s]
     disp = args.disp_freq or max(1, args.steps // 4)
     results: dict[str, Any] = {
         "date_utc": utc_now(seconds=False),
@@ -183,10 +187,13 @@ def main() -> int:
         results["configs"][path.stem] = per
         stat = args.workdir / f"{path.stem}.stat.hdf5"
         # A 1-step run first computes the data statistics file that every timed run then loads
-        # (a run that computes it ends on slightly different parameters) and warms the caches.
+        # (a run that computes it ends on slightly different parameters) and waits for the
+        # Triton kernels, which the timed runs then find in Triton's cache.
         plan = [("warmup", 1, 0, "ours")] + ([("single-ours", 1, 0, "ours")] if args.single else [])
         for stage in stages:
             for variant in reversed(variants) if flip else variants:
+                if variant == "builtin" and stage not in builtin_stages:
+                    continue
                 plan.append((f"stage{stage}-{variant}", args.gpus, stage, variant))
             flip = not flip
         for label, gpus, stage, variant in plan:

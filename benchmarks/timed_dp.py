@@ -9,6 +9,10 @@ spends on the step, collectives included (and any gap while it waits for the hos
 enqueue the step's work). At the end this rank writes ``{optimizer class: [ms per step]}``
 to ``$STEP_TIMES_DIR/rank<RANK>.json``.
 
+With ``WAIT_FOR_KERNELS=<seconds>``, after the first step of deepmd-hybridmuon's optimizer
+the run waits (at most that long) for the Triton kernels to compile, so that they land in
+Triton's cache for the timed runs after it (a run that ends first stops their compilation).
+
 Usage (what multi_gpu.py runs)::
 
     STEP_TIMES_DIR=times torchrun --standalone --nproc_per_node=2 benchmarks/timed_dp.py --pt train input.json
@@ -28,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 def main() -> int:
     out_dir = os.environ.get("STEP_TIMES_DIR")
+    waiting = [float(os.environ["WAIT_FOR_KERNELS"])] if os.environ.get("WAIT_FOR_KERNELS") else []
     opened: dict[int, torch.cuda.Event] = {}
     pairs: dict[int, tuple[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]]] = {}
 
@@ -42,6 +47,10 @@ def main() -> int:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             pairs.setdefault(id(opt), (type(opt).__name__, []))[1].append((start, end))
+        if waiting and type(opt).__module__.startswith("deepmd_hybridmuon"):
+            from deepmd_hybridmuon import kernels
+
+            print(f"timed_dp: Triton kernels ready: {kernels.wait_ready(waiting.pop())}", flush=True)
 
     register_optimizer_step_pre_hook(before)
     register_optimizer_step_post_hook(after)

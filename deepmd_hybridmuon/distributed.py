@@ -242,17 +242,38 @@ class _ShapeGroup:
     matrix_ids: torch.Tensor  # global matrix indices (for the Magma factors)
 
 
-@dataclass(frozen=True)
+#: Elements per block of the first pass of :meth:`_Segments.sums`. torch's CUDA
+#: ``segment_reduce`` gives each output one thread that walks its whole segment, so one
+#: 1024 x 1024 matrix as one segment is a million serial additions (1.7 s per step for
+#: eight 4096 x 4096 matrices on an H200, 2026-11-23); cut into blocks of this size the first
+#: pass runs one thread per block, and the second pass adds one partial sum per block.
+SEGMENT_BLOCK = 1024
+
+
 class _Segments:
     """Where the matrices lie in a rank's flat Muon buffer, for Magma's per-matrix sums.
 
-    The buffer is cut into consecutive segments of ``lengths`` elements; segment ``i`` is
-    (part of) matrix ``matrix[i]`` of the ``count`` matrices of the plan (numbered in plan order).
+    The buffer is cut into consecutive segments of ``lengths`` elements (a list); segment
+    ``i`` is (part of) matrix ``matrix[i]`` of the ``count`` matrices of the plan (numbered
+    in plan order).
     """
 
-    lengths: torch.Tensor
-    matrix: torch.Tensor
-    count: int
+    def __init__(self, lengths: list[int], matrix: list[int], count: int, device: torch.device) -> None:
+        self.count = count
+        self.matrix = torch.tensor(matrix, dtype=torch.long, device=device)
+        blocks = [-(-n // SEGMENT_BLOCK) if n else 0 for n in lengths]
+        fine = [min(SEGMENT_BLOCK, n - b * SEGMENT_BLOCK) for n in lengths for b in range(-(-n // SEGMENT_BLOCK))]
+        self.fine = torch.tensor(fine, dtype=torch.long, device=device)
+        self.coarse = torch.tensor(blocks, dtype=torch.long, device=device)
+
+    def sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-matrix sums ``(count, k)`` of ``values`` ``(buffer elements, k)``, in two passes of blocks."""
+        out = torch.zeros(self.count, values.shape[1], dtype=values.dtype, device=values.device)
+        if self.fine.numel():
+            partial = torch.segment_reduce(values, "sum", lengths=self.fine, axis=0)
+            pieces = torch.segment_reduce(partial, "sum", lengths=self.coarse, axis=0)
+            out.index_copy_(0, self.matrix, pieces)
+        return out
 
 
 class _Exchange:
@@ -323,9 +344,7 @@ class _Exchange:
 
         # Magma: my pieces as segments of the local buffer (in local order), and their matrices.
         self.segments = _Segments(
-            torch.tensor([pc[3] for pc in mine], dtype=torch.long, device=device),
-            torch.tensor([matrix_base[pc[0]] + pc[1] for pc in mine], dtype=torch.long, device=device),
-            self.num_matrices,
+            [pc[3] for pc in mine], [matrix_base[pc[0]] + pc[1] for pc in mine], self.num_matrices, device
         )
 
 
@@ -584,10 +603,7 @@ def _local_muon(
         scores.append(score)
     m32, g32 = flat_buf.to(torch.float32), g.to(torch.float32)
     products = torch.stack([m32 * g32, m32 * m32, g32 * g32], dim=1)  # (local elements, 3)
-    sums = torch.zeros(segments.count, 3, dtype=torch.float32, device=flat_p.device)
-    if segments.lengths.numel():
-        pieces = torch.segment_reduce(products, "sum", lengths=segments.lengths, axis=0)
-        sums.index_copy_(0, segments.matrix, pieces)
+    sums = segments.sums(products)
     if reduce is not None:
         reduce(sums)
     flat_score = _flat(scores)
@@ -772,11 +788,7 @@ class DdpSplit:
             owned_index[at : at + size] = torch.arange(starts[k] + j * size, starts[k] + (j + 1) * size)
         self.owned_index = owned_index.to(device)
         sizes = [p.view[1] * p.view[2] for p in muon for _ in range(p.view[0])]  # type: ignore[index]
-        self.segments = _Segments(
-            torch.tensor(sizes, dtype=torch.long, device=device),
-            torch.arange(len(sizes), dtype=torch.long, device=device),
-            len(sizes),
-        )
+        self.segments = _Segments(sizes, list(range(len(sizes))), len(sizes), device)
 
     def summary(self) -> dict[str, Any]:
         """The ``execution_table`` row of a group that ran the split."""

@@ -1100,3 +1100,18 @@ def test_plugin_passes_ddp_split_auto_at_stage_0(run: _Run) -> None:
     """deepmd's trainer on 2 ranks: "auto" at zero_stage 0; ZeRO-1's local optimizer keeps "off"."""
     for rank in range(WORLD):
         assert run.result("ddp", rank)["plugin_ddp_split"] == {0: "auto", 1: "off"}
+
+
+def test_magma_segment_sums_span_several_blocks() -> None:
+    """Magma's per-matrix sums over segments longer than one block (two passes), empty ones, any order."""
+    from deepmd_hybridmuon.distributed import SEGMENT_BLOCK, _Segments
+
+    lengths = [2 * SEGMENT_BLOCK + 5, 0, 7, SEGMENT_BLOCK, 3 * SEGMENT_BLOCK]
+    matrix = [2, 4, 0, 3, 1]  # segment i holds (part of) matrix matrix[i]; matrix 4 is empty
+    values = torch.randn(sum(lengths), 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    expected = torch.zeros(5, 3, dtype=torch.float64)
+    for chunk, m in zip(values.split(lengths), matrix, strict=True):
+        expected[m] = chunk.sum(0)
+    got = _Segments(lengths, matrix, 5, torch.device("cpu")).sums(values)
+    # float64, sums of a few thousand O(1) values in another order: agree to ~1e-13
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)

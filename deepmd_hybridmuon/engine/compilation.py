@@ -16,13 +16,12 @@ that the way kernels are compiled (today :func:`deepmd_hybridmuon.kernels.prepar
 from __future__ import annotations
 
 import os
-import sys
 from types import ModuleType
 from typing import Any
 
 import torch
 
-__all__ = ["compiling", "kernels", "request", "triton_runs_on"]
+__all__ = ["kernels", "request", "triton_runs_on"]
 
 #: Import name of the kernels module (a sibling of this package).
 _KERNELS = f"{__package__.rpartition('.')[0]}.kernels"
@@ -61,13 +60,3 @@ def request(device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, in
     compiled (at once when they already are), or ``None`` when one cannot be compiled.
     """
     return kernels().prepare(device, dtype, paths, magma)
-
-
-def compiling() -> bool:
-    """Whether kernels are compiling in the background.
-
-    A CUDA graph is not captured meanwhile: when the compile process has finished, this
-    process loads the compiled modules and allocates, which CUDA forbids during a capture.
-    """
-    module = sys.modules.get(_KERNELS)
-    return module is not None and not module.wait_ready(0)

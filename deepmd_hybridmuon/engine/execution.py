@@ -12,10 +12,12 @@ Contract of :class:`Executor`:
 * **Pinned ring.** The host buffers are a ring of four pinned tensors; one is reused
   once the copy that last read it has run (its event; at once, in practice).
 * **Capture.** On CUDA with ``use_graph``, after :data:`GRAPH_WARMUP` eager steps (so
-  cuBLAS and the caching allocator settle, as torch's CUDA-graph notes advise) and only
-  while no Triton kernel compiles in the background (:func:`.compilation.compiling`):
+  cuBLAS and the caching allocator settle, as torch's CUDA-graph notes advise),
   ``step.compute`` is captured once, each independent chain (torch bucket, phased group)
-  on a high-priority side stream of its own (they are the step's critical path).
+  on a high-priority side stream of its own (they are the step's critical path). This
+  holds on the torch path while the Triton kernels compile too: they compile in another
+  process, and this one loads them only between steps, when the optimizer asks whether
+  they are ready (and then builds a new engine), never inside a capture.
 * **Replay.** Every later step replays that graph. The graph holds the addresses of the
   layout's buffers and of the parameters: anything that changes them (other parameters,
   a loaded state dict, ...) needs a new layout, hence a new executor; the optimizer
@@ -29,7 +31,6 @@ import contextlib
 
 import torch
 
-from . import compilation
 from .batched import SCALARS, BatchedStep, Lanes
 
 __all__ = ["GRAPH_WARMUP", "Executor", "SideStreams"]
@@ -107,7 +108,7 @@ class Executor:
 
     def run(self) -> None:
         """The arithmetic of the staged step: replayed, captured now, or eager."""
-        if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP and not compilation.compiling():
+        if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP:
             self._capture()
         if self.graph is not None:
             self.graph.replay()
