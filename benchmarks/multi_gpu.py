@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -90,7 +91,8 @@ def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argpa
     if out["ours_active"] != (variant == "ours"):
         out["problem"] = "the plugin's log line says the wrong optimizer ran"
     if rc != 0:
-        out["problem"] = f"exit {rc}: {last_line(log)}"
+        errors = [ln.strip() for ln in log.splitlines() if re.search(r"\w(Error|Exception)\b", ln)]
+        out["problem"] = f"exit {rc}: {errors[-1][:300] if errors else last_line(log)}"
         return out
     curve = parse_lcurve(rundir / "lcurve.out")
     cols = error_columns(curve)

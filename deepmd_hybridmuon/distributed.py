@@ -740,7 +740,7 @@ DDP_SPLIT_MODES: tuple[str, ...] = ("off", "auto", "always")
 #: eager torch kernels and an all-gather, about 1 ms more per step; Newton–Schulz runs
 #: about 60 flops per cost unit (10 iterations) at some 100 TFLOP/s in bfloat16, so it must
 #: save some 2e9 units (e.g. 8 matrices of 1024 × 1024 on 2 ranks save 4.3e9).
-DDP_SPLIT_MIN_COST: int = 2 * 10**9
+DDP_SPLIT_MIN_COST: int = 10**11
 
 
 def split_pays(plan: Plan) -> bool:
