@@ -694,28 +694,29 @@ def run(tmp_path_factory: pytest.TempPathFactory, fsdp_reference: dict) -> _Run:
     return _Run(outdir, error, seconds)
 
 
+def _runs_per_world(
+    run: _Run, factory: pytest.TempPathFactory, worlds: tuple[int, ...], scenario: str
+) -> dict[int, _Run]:
+    """``scenario`` spawned on every world size of ``worlds`` (the pair of ``run`` serves ``WORLD``)."""
+    runs = {WORLD: run}
+    for world in worlds:
+        if world != WORLD:
+            outdir = factory.mktemp(f"{scenario}{world}")
+            error, seconds = _spawn(outdir, world, (scenario,))
+            runs[world] = _Run(outdir, error, seconds)
+    return runs
+
+
 @pytest.fixture(scope="module")
 def owner_runs(run: _Run, tmp_path_factory: pytest.TempPathFactory) -> dict[int, _Run]:
     """The owner-computes scenario on every world size (2: from the pair of ``run``)."""
-    runs = {WORLD: run}
-    for world in OWNER_WORLDS:
-        if world != WORLD:
-            outdir = tmp_path_factory.mktemp(f"owner{world}")
-            error, seconds = _spawn(outdir, world, ("owner",))
-            runs[world] = _Run(outdir, error, seconds)
-    return runs
+    return _runs_per_world(run, tmp_path_factory, OWNER_WORLDS, "owner")
 
 
 @pytest.fixture(scope="module")
 def ddp_split_runs(run: _Run, tmp_path_factory: pytest.TempPathFactory) -> dict[int, _Run]:
     """The DDP-split scenario on every world size (2: from the pair of ``run``)."""
-    runs = {WORLD: run}
-    for world in DDP_SPLIT_WORLDS:
-        if world != WORLD:
-            outdir = tmp_path_factory.mktemp(f"ddp_split{world}")
-            error, seconds = _spawn(outdir, world, ("ddp_split",))
-            runs[world] = _Run(outdir, error, seconds)
-    return runs
+    return _runs_per_world(run, tmp_path_factory, DDP_SPLIT_WORLDS, "ddp_split")
 
 
 # ----------------------------------------------------------------------------- checks
