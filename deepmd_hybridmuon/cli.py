@@ -169,10 +169,19 @@ def _normalize(jdata: Any) -> tuple[dict[str, Any], list[str]]:
                 "see `dp doc-train-input` for the current layout"
             ) from err
         multi_task = "model_dict" in jdata.get("model", {})
+        training = jdata.get("training", {})
+        stage = training.get("zero_stage", 0) if isinstance(training, dict) else 0
+        if stage in (2, 3) and training.get("enable_ema"):  # DPA-4's examples enable EMA
+            raise CheckError(
+                f"[at location `training`] key `enable_ema` is true with `zero_stage` {stage}; deepmd-kit trains "
+                "with EMA only at zero_stage 0 or 1: use zero_stage 0 or 1, or set enable_ema to false"
+            )
         try:
             jdata = normalize(copy.deepcopy(jdata), multi_task=multi_task)
         except ArgumentError as err:
             raise CheckError(_with_value(str(err), err.path, jdata)) from err
+        except ValueError as err:  # deepmd's own cross-key checks
+            raise CheckError(f"deepmd-kit rejects the input: {err}") from err
     messages += [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, UserWarning))]
     section = jdata.get("optimizer", {})
     if section.get("type") == "HybridMuon":

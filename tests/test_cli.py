@@ -159,6 +159,17 @@ def test_triton_decision_follows_the_engine_condition(monkeypatch):
         assert on and why.startswith("on: flash_muon is true, Triton"), why
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ema_with_fsdp2_exits_1_naming_both_keys(tmp_path, capsys, stage):
+    config = _example()
+    config["training"].update(zero_stage=stage, enable_ema=True)
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 1
+    err = capsys.readouterr().err
+    assert f"`enable_ema` is true with `zero_stage` {stage}" in err and "zero_stage 0 or 1" in err
+    config["training"]["zero_stage"] = 1  # EMA is fine with ZeRO-1 (DPA-4's own setting)
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
+
+
 def test_zero_stage_out_of_range_exits_1(tmp_path, capsys):
     config = _example()
     config["training"]["zero_stage"] = 4
