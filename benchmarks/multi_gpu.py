@@ -11,7 +11,8 @@ statistics file they all load and compiles the Triton kernels into Triton's cach
 * deepmd's average s/batch (the first ``disp_freq`` batches left out);
 * the optimizer step's own time: median over the steps after ``--skip`` of the CUDA-event
   time of ``step()`` on each rank, the slowest rank's (the ZeroRedundancyOptimizer's step at
-  stage 1, which includes its parameter broadcast);
+  stage 1, which includes its parameter broadcast); the JSON also has the mean, the host's
+  time in ``step()`` (mean, worst) and how long slow steps held the host in all;
 * the final validation errors, and how far each stage's final parameters are from the
   same variant's stage-0 run (same data order and gradients: the stages should agree up
   to the rounding of the sharded arithmetic).
@@ -60,13 +61,27 @@ OUTER = "ZeroRedundancyOptimizer"
 
 
 def _step_ms(times_dir: Path, skip: int) -> dict[str, Any]:
-    """Median CUDA-event time of the outer optimizer's step() per rank, after ``skip`` steps."""
+    """The outer optimizer's step() per rank, after ``skip`` steps: GPU median and mean, host mean and worst.
+
+    ``held_s``: how long the host was held by the steps beyond the median one, summed (one-time
+    work inside the timed window, which deepmd's mean s/batch carries and a median hides).
+    """
     per_rank = {}
     for path in sorted(times_dir.glob("rank*.json")):
         times = json.loads(path.read_text())
-        name = OUTER if OUTER in times else max(times, key=lambda k: len(times[k]))
-        steps = times[name][skip:] or times[name]
-        per_rank[path.stem] = {"optimizer": name, "steps": len(times[name]), "median_ms": statistics.median(steps)}
+        name = OUTER if OUTER in times else max(times, key=lambda k: len(times[k]["host_ms"]))
+        gpu = times[name]["gpu_ms"][skip:] or times[name]["gpu_ms"] or [float("nan")]
+        host = times[name]["host_ms"][skip:] or times[name]["host_ms"] or [float("nan")]
+        typical = statistics.median(host)
+        per_rank[path.stem] = {
+            "optimizer": name,
+            "steps": len(times[name]["host_ms"]),
+            "median_ms": statistics.median(gpu),
+            "mean_ms": statistics.fmean(gpu),
+            "host_mean_ms": statistics.fmean(host),
+            "host_max_ms": max(host),
+            "held_s": sum(t - typical for t in host if t > typical) / 1e3,
+        }
     worst = max((r["median_ms"] for r in per_rank.values()), default=None)
     return {"per_rank": per_rank, "slowest_rank_median_ms": worst}
 
@@ -119,6 +134,13 @@ def _fmt(x: float | None, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
+def _held(run: dict[str, Any]) -> float | None:
+    """The slowest rank's ``held_s`` of one run (None without step times)."""
+    ranks = (run.get("optimizer_step") or {}).get("per_rank", {}).values()
+    values = [r["held_s"] for r in ranks if "held_s" in r]
+    return max(values) if values else None
+
+
 def report(results: dict[str, Any]) -> str:
     """Markdown tables of one results dict (per config: s/batch, optimizer step, errors, distances)."""
     lines = []
@@ -127,17 +149,18 @@ def report(results: dict[str, Any]) -> str:
         lines += [
             f"\n### {config}: {results['gpus']} GPUs, {results['steps']} steps\n",
             "| stage | s/batch ours | AdamW | built-in | ours / AdamW | step ms ours | AdamW | built-in "
-            "| final force error ours / AdamW / built-in |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| host held s ours / AdamW | final force error ours / AdamW / built-in |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
         ]
         for stage in results["stages"]:
             r = {v: runs.get(f"stage{stage}-{v}", {}) for v in VARIANTS}
             sb = {v: r[v].get("average_s_per_batch") if "problem" not in r[v] else None for v in VARIANTS}
             ms = {v: (r[v].get("optimizer_step") or {}).get("slowest_rank_median_ms") for v in VARIANTS}
+            held = " / ".join(_fmt(_held(r[v]), ".2f") or "-" for v in ("ours", "adamw"))
             err = " / ".join(_fmt((r[v].get("final") or {}).get("force"), ".4g") or "-" for v in VARIANTS)
             ratio = sb["ours"] / sb["adamw"] if sb["ours"] and sb["adamw"] else None
             cells = [_fmt(sb[v], ".4f") or ("failed" if "problem" in r[v] else "") for v in VARIANTS]
-            cells += [_fmt(ratio, ".2f")] + [_fmt(ms[v], ".2f") for v in VARIANTS] + [err]
+            cells += [_fmt(ratio, ".2f")] + [_fmt(ms[v], ".2f") for v in VARIANTS] + [held, err]
             lines.append(f"| {stage} | " + " | ".join(cells) + " |")
         problems = [f"- {label}: {r['problem']}" for label, r in runs.items() if "problem" in r]
         if problems:

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""deepmd's ``dp`` command with every optimizer step timed by CUDA events (run by multi_gpu.py).
+"""deepmd's ``dp`` command with every optimizer step timed (run by multi_gpu.py).
 
 torch calls its global optimizer step hooks around the ``step()`` of every
 ``torch.optim.Optimizer``: ours, deepmd's built-in HybridMuon, AdamW, and torch's
-ZeroRedundancyOptimizer around the local optimizer (zero_stage 1). A CUDA event is recorded
-on the current stream before and after each step, so the time between them is what the GPU
-spends on the step, collectives included (and any gap while it waits for the host to
-enqueue the step's work). At the end this rank writes ``{optimizer class: [ms per step]}``
-to ``$STEP_TIMES_DIR/rank<RANK>.json``.
+ZeroRedundancyOptimizer around the local optimizer (zero_stage 1). For each step this
+records a CUDA event on the current stream before and after it (the GPU time of the step,
+collectives included, and any gap while the GPU waits for the host to enqueue its work)
+and the host's ``perf_counter`` before and after it (the time the training loop is held by
+``step()``: one-time work such as loading kernels or building the engine shows here). At
+the end this rank writes ``{optimizer class: {"gpu_ms": [...], "host_ms": [...]}}`` to
+``$STEP_TIMES_DIR/rank<RANK>.json``.
 
 With ``WAIT_FOR_KERNELS=<seconds>``, after the first step of deepmd-hybridmuon's optimizer
 the run waits (at most that long) for the Triton kernels to compile, so that they land in
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +33,38 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 
+class _Steps:
+    """The timed steps of one optimizer."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_ms: list[float] = []
+        self.open: tuple[torch.cuda.Event | None, float] | None = None
+
+
 def main() -> int:
     out_dir = os.environ.get("STEP_TIMES_DIR")
     waiting = [float(os.environ["WAIT_FOR_KERNELS"])] if os.environ.get("WAIT_FOR_KERNELS") else []
-    opened: dict[int, torch.cuda.Event] = {}
-    pairs: dict[int, tuple[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]]] = {}
+    steps: dict[int, _Steps] = {}
+    cuda = torch.cuda.is_available()
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if torch.cuda.is_available():
-            opened[id(opt)] = torch.cuda.Event(enable_timing=True)
-            opened[id(opt)].record()
+        start = torch.cuda.Event(enable_timing=True) if cuda else None
+        if start is not None:
+            start.record()
+        steps.setdefault(id(opt), _Steps(type(opt).__name__)).open = (start, time.perf_counter())
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        start = opened.pop(id(opt), None)
-        if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            pairs.setdefault(id(opt), (type(opt).__name__, []))[1].append((start, end))
+        entry = steps.get(id(opt))
+        if entry is not None and entry.open is not None:
+            start, t0 = entry.open
+            entry.host_ms.append((time.perf_counter() - t0) * 1e3)
+            if start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                entry.events.append((start, end))
+            entry.open = None
         if waiting and type(opt).__module__.startswith("deepmd_hybridmuon"):
             from deepmd_hybridmuon import kernels
 
@@ -59,12 +77,14 @@ def main() -> int:
     try:
         dp_main()
     finally:
-        if out_dir and pairs:
-            torch.cuda.synchronize()
-            times: dict[str, list[float]] = {}
-            for name, steps in pairs.values():
-                key = name if name not in times else f"{name}#{len(times)}"
-                times[key] = [start.elapsed_time(end) for start, end in steps]
+        if out_dir and steps:
+            if cuda:
+                torch.cuda.synchronize()
+            times: dict[str, dict[str, list[float]]] = {}
+            for entry in steps.values():
+                key = entry.name if entry.name not in times else f"{entry.name}#{len(times)}"
+                gpu = [start.elapsed_time(end) for start, end in entry.events]
+                times[key] = {"gpu_ms": gpu, "host_ms": entry.host_ms}
             path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(times))
