@@ -1105,7 +1105,7 @@ def test_plugin_passes_ddp_split_auto_at_stage_0(run: _Run) -> None:
 
 def test_magma_segment_sums_span_several_blocks() -> None:
     """Magma's per-matrix sums over segments longer than one block (two passes), empty ones, any order."""
-    from deepmd_hybridmuon.distributed import SEGMENT_BLOCK, _Segments
+    from deepmd_hybridmuon.distributed.local import SEGMENT_BLOCK, _Segments
 
     lengths = [2 * SEGMENT_BLOCK + 5, 0, 7, SEGMENT_BLOCK, 3 * SEGMENT_BLOCK]
     matrix = [2, 4, 0, 3, 1]  # segment i holds (part of) matrix matrix[i]; matrix 4 is empty

@@ -1,0 +1,289 @@
+"""FSDP2 (``fully_shard``, deepmd's ``zero_stage`` 2 and 3): the owner computes.
+
+Under FSDP2 every parameter, gradient and parameter-shaped state tensor is a DTensor
+sharded on dim 0 with ``torch.chunk`` semantics (uneven; trailing ranks may hold empty
+shards). This module runs the step of one param_group of such DTensors:
+
+* **Elementwise work on the local shards**, batched over parameters: the Adam/AdamW
+  routes, the Muon momentum and the decoupled weight decay are elementwise, so each
+  rank applies the same :mod:`deepmd_hybridmuon.functional` rules to its shards,
+  concatenated into one flat tensor per bucket (one kernel chain per bucket, not per
+  parameter). Elementwise kernels give the same bits on a concatenation, so the Adam
+  routes match one process bitwise.
+* **Each Muon matrix is orthogonalised once, on its owner.** A :class:`Plan`, computed
+  from metadata alone (parameter order, global shapes, routes and matrix views, mesh
+  size), gives every matrix an owner rank, balancing Newton–Schulz cost; every rank
+  computes the same plan. The local shards of the Nesterov update travel to the owners
+  in one ``all_to_all_single`` with uneven splits; each owner reassembles its whole
+  matrices, orthogonalises them stacked by shape (one ``functional.orthogonalize`` call
+  per shape), scales them, and the update shards travel back in a second
+  ``all_to_all_single``.
+* **Magma** needs, per matrix, cos(m, g) over the whole matrix: each rank sums
+  ``m·g``, ``m·m`` and ``g·g`` over its pieces of each matrix, and one ``all_reduce``
+  (sum) gives every rank the whole-matrix sums. Every rank then updates every Magma
+  score, so ``magma_score`` stays replicated: a plain float32 ``(batch,)`` tensor per
+  Muon parameter, equal on every rank, as in one process (checkpoints are unchanged).
+* **The finite gate** is one ``all_reduce`` (min) of the local flag per mesh dimension.
+
+The collectives of one group's step are therefore a fixed sequence whatever the number
+of parameters: gate all-reduce (one per mesh dimension), Magma all-reduce (when Magma is
+on), all-to-all out, all-to-all back (when the group has Muon matrices: a property of
+the plan, the same on every rank). None of them is skipped because of local data (no
+owned matrix, an empty shard): such a rank sends and receives zero-length splits.
+
+Supported layouts: a 1-D mesh with placements ``(Shard(0),)`` (``fully_shard``) and a
+2-D HSDP mesh with ``(Replicate(), Shard(0))``; in the latter, gradients are equal
+across replicas (FSDP2 all-reduces them), each replica group runs the exchange on the
+shard dimension's process group and computes the same result, and the gate is reduced
+over both dimensions. Anything else raises ``NotImplementedError``. Gradient presence
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import functional as F
+from .local import _apply_delta, _local_adam, _local_muon, _orthogonalize_owned, _Segments, _wire_dtype, local_shard
+from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan
+
+if TYPE_CHECKING:
+    from ..optimizer import HybridMuonOptimizer
+
+
+class _Exchange:
+    """One rank's side of a plan: index tensors of the two all-to-alls and the Magma sums.
+
+    Local buffer: the local shards of the Muon parameters, flattened and concatenated in
+    plan order (``lengths``). A rank's shard of a parameter covers a contiguous range of
+    its flattened global tensor, hence a contiguous *piece* of each matrix it touches.
+    The send buffer holds the pieces grouped by owner (ascending), in plan order within an
+    owner; the owner receives them grouped by source rank, in the same order, and
+    ``gather`` reassembles its matrices, grouped by shape.
+    """
+
+    def __init__(self, plan: Plan, rank: int, device: torch.device) -> None:
+        world = plan.world
+        muon = plan.muon
+        # Pieces of every rank: (src, k, j, start in the matrix, length, offset in src's local buffer).
+        pieces: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(world)]
+        lengths: list[int] = []
+        matrix_base = _matrix_base(plan)
+        self.num_matrices = sum(p.view[0] for p in muon)  # type: ignore[index]
+        for src in range(world):
+            offset = 0
+            for k, p in enumerate(muon):
+                assert p.view is not None
+                size = p.view[1] * p.view[2]
+                lo, hi = (r * p.inner for r in p.ranges[src])
+                if src == rank:
+                    lengths.append(hi - lo)
+                pos = lo
+                while pos < hi:
+                    j = pos // size
+                    stop = min(hi, (j + 1) * size)
+                    pieces[src].append((k, j, pos - j * size, stop - pos, offset + pos - lo))
+                    pos = stop
+                offset += hi - lo
+        self.lengths = lengths
+        self.local_numel = sum(lengths)
+
+        # Send side: my pieces grouped by owner.
+        mine = pieces[rank]
+        by_owner = sorted(range(len(mine)), key=lambda i: (plan.owners[mine[i][0]][mine[i][1]], i))
+        self.send_splits = [0] * world
+        send_index = []
+        for i in by_owner:
+            k, j, _, n, off = mine[i]
+            self.send_splits[plan.owners[k][j]] += n
+            send_index.append(torch.arange(off, off + n))
+        self.send_index = _cat_index(send_index, device)
+
+        self.groups, start_of, self.owned_numel = _owned(plan, rank, device)
+
+        # Receive side: pieces of every source owned here, in the senders' order.
+        self.recv_splits = [0] * world
+        place = []  # owned-buffer position of each received element
+        for src in range(world):
+            theirs = sorted(
+                (i for i, pc in enumerate(pieces[src]) if plan.owners[pc[0]][pc[1]] == rank),
+            )
+            for i in theirs:
+                k, j, at, n, _ = pieces[src][i]
+                self.recv_splits[src] += n
+                place.append(torch.arange(start_of[(k, j)] + at, start_of[(k, j)] + at + n))
+        self.place = _cat_index(place, device)
+        assert self.place.numel() == self.owned_numel
+        self.gather = torch.empty_like(self.place)
+        self.gather[self.place] = torch.arange(self.place.numel(), device=device)
+
+        # Magma: my pieces as segments of the local buffer (in local order), and their matrices.
+        self.segments = _Segments(
+            [pc[3] for pc in mine], [matrix_base[pc[0]] + pc[1] for pc in mine], self.num_matrices, device
+        )
+
+
+# ----------------------------------------------------------------------------- transport
+
+
+def to_owners(ex: _Exchange, local: torch.Tensor, pg: Any) -> torch.Tensor:
+    """Send this rank's flat Muon buffer (plan order) to the owners; return the owned matrices.
+
+    One ``all_to_all_single`` with uneven splits, called by every rank (zero-length splits
+    for a rank without pieces or owned matrices). The result is the owned buffer: owned
+    matrices grouped by shape (``ex.groups``), each whole, in row-major order.
+    """
+    import torch.distributed as dist
+
+    send = local[ex.send_index]
+    recv = torch.empty(ex.owned_numel, dtype=local.dtype, device=local.device)
+    _collective(
+        "all_to_all",
+        (len(ex.send_splits),),
+        dist.all_to_all_single,
+        recv,
+        send,
+        output_split_sizes=ex.recv_splits,
+        input_split_sizes=ex.send_splits,
+        group=pg,
+    )
+    return recv[ex.gather]
+
+
+def from_owners(ex: _Exchange, owned: torch.Tensor, pg: Any) -> torch.Tensor:
+    """The inverse of :func:`to_owners`: each rank gets back its pieces of the owned buffers."""
+    import torch.distributed as dist
+
+    back = torch.empty(ex.local_numel, dtype=owned.dtype, device=owned.device)
+    _collective(
+        "all_to_all",
+        (len(ex.send_splits),),
+        dist.all_to_all_single,
+        back,
+        owned[ex.place],
+        output_split_sizes=ex.send_splits,
+        input_split_sizes=ex.recv_splits,
+        group=pg,
+    )
+    local = torch.empty_like(back)
+    local[ex.send_index] = back
+    return local
+
+
+# ----------------------------------------------------------------------------- step
+
+
+def _mesh_of(params: list[torch.Tensor]) -> tuple[Any, int]:
+    """The device mesh of a group's DTensor parameters and its sharded dimension.
+
+    Raises ``NotImplementedError`` for layouts other than ``(Shard(0),)`` on a 1-D mesh
+    and ``(Replicate(), Shard(0))`` on a 2-D one, and for groups mixing meshes or plain tensors.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = None
+    for i, p in enumerate(params):
+        if not isinstance(p, DTensor):
+            raise NotImplementedError(
+                f"param_group mixes DTensor (FSDP2) and plain parameters (parameter {i}, shape "
+                f"{tuple(p.shape)}); shard the whole model with fully_shard or put them in separate groups"
+            )
+        placements = tuple(p.placements)
+        if placements == (Shard(0),):
+            shard_dim = 0
+        elif placements == (Replicate(), Shard(0)):
+            shard_dim = 1
+        else:
+            raise NotImplementedError(
+                f"FSDP2 placements {placements} of parameter {i} (shape {tuple(p.shape)}): HybridMuon supports "
+                "(Shard(dim=0),) on a 1-D mesh and (Replicate(), Shard(dim=0)) on a 2-D HSDP mesh"
+            )
+        if mesh is None:
+            mesh, dim = p.device_mesh, shard_dim
+        elif p.device_mesh != mesh or shard_dim != dim:
+            raise NotImplementedError(
+                f"param_group spans several device meshes or placements (parameter {i}); "
+                "HybridMuon needs one mesh per param_group under FSDP2"
+            )
+    assert mesh is not None
+    return mesh, dim
+
+
+class _Cache:
+    """A group's plan and exchange, rebuilt when the active parameters or routing change."""
+
+    def __init__(self, key: tuple, plan: Plan, exchange: _Exchange) -> None:
+        self.key, self.plan, self.exchange = key, plan, exchange
+
+
+def plan_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) -> tuple[Plan, _Exchange, Any, int]:
+    """The (cached) plan of param_group ``index``, this rank's exchange, the mesh and its sharded dimension."""
+    params = [p for p in group["params"] if p.numel() > 0]
+    mesh, dim = _mesh_of(params) if params else (None, 0)
+    active = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None and p.numel() > 0]
+    world = mesh.size(dim) if mesh is not None else 1
+    rank = mesh.get_local_rank(dim) if mesh is not None else 0
+    key = (tuple(id(p) for _, p in active), opt._names_version, group["muon_mode"], world, rank)
+    caches: dict[int, _Cache] = opt.__dict__.setdefault("_fsdp_plans", {})
+    cache = caches.get(index)
+    if cache is None or cache.key != key:
+        plan = build_plan([(i, tuple(p.shape), opt.route_of(p, group)) for i, p in active], world)
+        for layout, (_, p) in zip(plan.params, active, strict=True):
+            lo, hi = layout.ranges[rank]
+            local = p.to_local()
+            if p.dim() == 0 or tuple(local.shape) != (hi - lo, *layout.shape[1:]):
+                raise NotImplementedError(
+                    f"FSDP2 shard of parameter {opt.param_name(p) or layout.index} (shape {layout.shape}) has local "
+                    f"shape {tuple(local.shape)} on shard rank {rank}; HybridMuon expects torch.chunk's rows "
+                    f"{lo}..{hi} of dim 0"
+                )
+        device = torch.device(mesh.device_type) if mesh is not None else torch.device("cpu")
+        cache = caches[index] = _Cache(key, plan, _Exchange(plan, rank, device))
+    return cache.plan, cache.exchange, mesh, dim
+
+
+def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
+    """One step of a param_group of FSDP2 DTensor parameters (see the module docstring).
+
+    ``shared``: the finite flag already agreed across ranks (``nonfinite_across_ranks``),
+    combined with this group's gate.
+    """
+    import torch.distributed as dist
+
+    plan, ex, mesh, shard_dim = plan_of(opt, index, group)
+    if mesh is None:
+        return  # only size-0 parameters: nothing to shard, nothing to step
+    device = torch.device(mesh.device_type)
+    active = [group["params"][p.index] for p in plan.params]
+    grads = {id(p): opt._grad_of(p) for p in active}
+
+    # 1. The finite gate: one all-reduce (min) per mesh dimension, called on every rank.
+    local_grads = [local_shard(g) for g in grads.values()]
+    ok = F.finite_gate(local_grads).to(device) if local_grads else torch.ones((), dtype=torch.float32, device=device)
+    if shared is not None:
+        ok = torch.minimum(ok, shared.to(device))
+    for d in range(mesh.ndim):
+        _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
+
+    # 2. Adam and AdamW: elementwise on the local shards.
+    settings = F.GroupSettings.of(group)
+    routed = list(zip(active, (layout.route for layout in plan.params), strict=True))
+    _local_adam(opt, settings, [(p, route) for p, route in routed if route != "muon"], grads, ok)
+
+    # 3. Muon: momentum, decay and Magma on the shards; Newton–Schulz on the owners.
+    muon = [group["params"][p.index] for p in plan.muon]
+    if not muon:
+        return
+    pg = mesh.get_group(shard_dim)
+
+    def reduce(sums: torch.Tensor) -> None:  # Magma: whole-matrix sums from the shards' partial sums
+        _collective("all_reduce", (sums.numel(),), dist.all_reduce, sums, op=dist.ReduceOp.SUM, group=pg)
+
+    locals_, flat_p, update, damp = _local_muon(opt, settings, plan, muon, grads, ok, ex.segments, reduce)
+    work = update.dtype
+    wire = _wire_dtype(work)
+    owned = to_owners(ex, update.to(wire), pg).to(work)
+    delta = torch.empty_like(owned, dtype=wire)
+    _orthogonalize_owned(settings, owned, ex.groups, damp, delta)
+    _apply_delta(flat_p, locals_, from_owners(ex, delta, pg), ok, settings.lr)
