@@ -127,6 +127,22 @@ class _Exchange:
 # ----------------------------------------------------------------------------- transport
 
 
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], pg: Any) -> None:
+    """One ``all_to_all_single`` with uneven splits (element counts per rank), through the collectives' door."""
+    import torch.distributed as dist
+
+    _collective(
+        "all_to_all",
+        (len(in_splits),),
+        dist.all_to_all_single,
+        out,
+        inp,
+        output_split_sizes=out_splits,
+        input_split_sizes=in_splits,
+        group=pg,
+    )
+
+
 def to_owners(ex: _Exchange, local: torch.Tensor, pg: Any) -> torch.Tensor:
     """Send this rank's flat Muon buffer (plan order) to the owners; return the owned matrices.
 
@@ -134,38 +150,15 @@ def to_owners(ex: _Exchange, local: torch.Tensor, pg: Any) -> torch.Tensor:
     for a rank without pieces or owned matrices). The result is the owned buffer: owned
     matrices grouped by shape (``ex.groups``), each whole, in row-major order.
     """
-    import torch.distributed as dist
-
-    send = local[ex.send_index]
     recv = torch.empty(ex.owned_numel, dtype=local.dtype, device=local.device)
-    _collective(
-        "all_to_all",
-        (len(ex.send_splits),),
-        dist.all_to_all_single,
-        recv,
-        send,
-        output_split_sizes=ex.recv_splits,
-        input_split_sizes=ex.send_splits,
-        group=pg,
-    )
+    _all_to_all(recv, local[ex.send_index], ex.recv_splits, ex.send_splits, pg)
     return recv[ex.gather]
 
 
 def from_owners(ex: _Exchange, owned: torch.Tensor, pg: Any) -> torch.Tensor:
     """The inverse of :func:`to_owners`: each rank gets back its pieces of the owned buffers."""
-    import torch.distributed as dist
-
     back = torch.empty(ex.local_numel, dtype=owned.dtype, device=owned.device)
-    _collective(
-        "all_to_all",
-        (len(ex.send_splits),),
-        dist.all_to_all_single,
-        back,
-        owned[ex.place],
-        output_split_sizes=ex.send_splits,
-        input_split_sizes=ex.recv_splits,
-        group=pg,
-    )
+    _all_to_all(back, owned[ex.place], ex.send_splits, ex.recv_splits, pg)
     local = torch.empty_like(back)
     local[ex.send_index] = back
     return local
