@@ -4,8 +4,9 @@
 Builds the model of a deepmd input (default: the shared DPA-2 small water config), shards
 it with ``fully_shard`` on ``--world`` gloo ranks, gives it seeded gradients and reports,
 for one ``step()`` after ``--warmup`` steps: the process-group collectives it issued
-(counted with the torch profiler: every ``c10d::`` op, whoever calls it) and the mean step
-time over ``--steps`` steps, next to the step time of the same model in one process.
+(counted with the torch profiler: every ``c10d::`` op, whoever calls it), the operators the
+step calls itself (each at least one kernel launch on a GPU) and the mean step time over
+``--steps`` steps, next to the same figures of the same model in one process.
 
 Usage::
 
@@ -52,6 +53,15 @@ def _optimizer(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
     return HybridMuonOptimizer([p for _, p in named], named_parameters=named, lr=1e-3)
 
 
+def _under_op(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(("aten::", "c10d::")):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def _time_steps(named, opt, args, shard) -> tuple[float, collections.Counter]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -59,10 +69,17 @@ def _time_steps(named, opt, args, shard) -> tuple[float, collections.Counter]:
     for k in range(args.warmup):
         shard(params, _grads(params, k))
         opt.step()
+    shard(params, _grads(params, args.warmup))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        shard(params, _grads(params, args.warmup))
         opt.step()
-    calls = collections.Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))
+    events = prof.events()
+    calls = collections.Counter(e.name for e in events if e.name.startswith("c10d::"))
+    # Operators called by the step itself (not from inside another operator): each is at
+    # least one kernel launch on a GPU, so their count bounds a host-bound step from below.
+    top = collections.Counter(e.name for e in events if e.name.startswith("aten::") and not _under_op(e))
+    calls["top-level aten ops"] = sum(top.values())
+    if os.environ.get("FSDP_OPS"):  # which operators: FSDP_OPS=1 prints the commonest of each process
+        print(top.most_common(25), flush=True)
     total = 0.0
     for k in range(args.steps):
         shard(params, _grads(params, k))
@@ -117,7 +134,7 @@ def main() -> None:
         for p, g in zip(params, grads, strict=True):
             p.grad = g
 
-    single, _ = _time_steps(named, _optimizer(named), args, plain)
+    single, single_calls = _time_steps(named, _optimizer(named), args, plain)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,7 +144,7 @@ def main() -> None:
     result = json.loads(Path(out).read_text())
     os.unlink(out)
     print(f"model {Path(args.config).stem}: {len(named)} trainable parameters, {muon} Muon matrices")
-    print(f"one process: {single * 1e3:.1f} ms/step")
+    print(f"one process: {single * 1e3:.1f} ms/step, {single_calls['top-level aten ops']} top-level aten ops")
     print(
         f"FSDP2 on {args.world} gloo ranks: {result['seconds'] * 1e3:.1f} ms/step ({result['seconds'] / single:.2f}x)"
     )
