@@ -1,6 +1,5 @@
 """DDP (deepmd's ``zero_stage`` 0, the optimizer's ``ddp_split``): Newton–Schulz split across the replicas.
 
----------------------------------------------------------
 Every rank holds the same parameters and the same (all-reduced) gradients. With the split
 (:func:`ddp_split_of` decides, :func:`ddp_step_group` steps): every rank does the elementwise
 work on its whole tensors, as one process does (the inputs are identical, so no collective);
@@ -11,6 +10,7 @@ the transport dtype) gives every rank every delta, and every rank applies them a
 delta is computed once and every rank applies the same bits: the replicas stay bitwise
 identical. The finite gate is local (the gradients are the same on every rank). One
 collective per group with Muon matrices and step, whatever the number of parameters. Under
+``"auto"`` the split runs where it pays (:func:`split_pays`, a function of the plan).
 """
 
 from __future__ import annotations

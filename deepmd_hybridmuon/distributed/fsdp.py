@@ -36,6 +36,7 @@ Supported layouts: a 1-D mesh with placements ``(Shard(0),)`` (``fully_shard``) 
 across replicas (FSDP2 all-reduces them), each replica group runs the exchange on the
 shard dimension's process group and computes the same result, and the gate is reduced
 over both dimensions. Anything else raises ``NotImplementedError``. Gradient presence
+must be the same on every rank, as FSDP2's own reduce-scatter requires.
 """
 
 from __future__ import annotations
