@@ -171,7 +171,9 @@ def _normalize(jdata: Any) -> tuple[dict[str, Any], list[str]]:
         multi_task = "model_dict" in jdata.get("model", {})
         training = jdata.get("training", {})
         stage = training.get("zero_stage", 0) if isinstance(training, dict) else 0
-        if stage in (2, 3) and training.get("enable_ema"):  # DPA-4's examples enable EMA
+        if stage not in (0, 1, 2, 3):
+            raise CheckError(f"[at location `training`] key `zero_stage` must be 0, 1, 2 or 3 (got {stage!r})")
+        if stage >= 2 and training.get("enable_ema"):  # DPA-4's examples enable EMA
             raise CheckError(
                 f"[at location `training`] key `enable_ema` is true with `zero_stage` {stage}; deepmd-kit trains "
                 "with EMA only at zero_stage 0 or 1: use zero_stage 0 or 1, or set enable_ema to false"
@@ -188,9 +190,6 @@ def _normalize(jdata: Any) -> tuple[dict[str, Any], list[str]]:
         resolved, legacy = resolve_legacy_keys(section)
         messages += legacy
         jdata["optimizer"] = {"type": "HybridMuon", **{k: v for k, v in resolved.items() if k != "type"}}
-    stage = jdata.get("training", {}).get("zero_stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise CheckError(f"[at location `training`] key `zero_stage` must be 0, 1, 2 or 3 (got {stage!r})")
     return jdata, messages
 
 

@@ -273,7 +273,7 @@ class HybridMuonOptimizer(Optimizer):
         self.flash_muon = flash_muon
         self.nonfinite_across_ranks = nonfinite_across_ranks
         self.ddp_split = ddp_split
-        self._ddp_summaries: dict[int, dict[str, Any]] = {}  # groups whose last step ran the DDP split
+        self._ddp_ran: dict[int, distributed.DdpSplit] = {}  # groups whose last step ran the DDP split
         self._implementation = "engine"  # see IMPLEMENTATIONS
         self._param_names: dict[int, str] = {}
         self._names_version = 0  # bumped when names change: the flat engines rebuild
@@ -420,10 +420,10 @@ class HybridMuonOptimizer(Optimizer):
             if split is not None:  # DDP: Newton–Schulz split across the replicas
                 # The engine holds the state as views and reads it at build: rebuild it if it runs again.
                 self._engines.pop(index, None)
-                self._ddp_summaries[index] = split.summary()
+                self._ddp_ran[index] = split
                 distributed.ddp_step_group(self, group, split, shared)
                 continue
-            self._ddp_summaries.pop(index, None)
+            self._ddp_ran.pop(index, None)
             engine = self._engine(index, group)
             if engine is None or not engine.step(group, shared):
                 if engine is not None and not self._said_loop:
@@ -526,8 +526,8 @@ class HybridMuonOptimizer(Optimizer):
         """
         rows = []
         for index, group in enumerate(self.param_groups):
-            if index in self._ddp_summaries:
-                rows.append(dict(self._ddp_summaries[index]))
+            if index in self._ddp_ran:
+                rows.append(self._ddp_ran[index].summary())
                 continue
             engine = self._engines.get(index)
             fresh = engine is not None and engine.signature == self._engine_signature(group)

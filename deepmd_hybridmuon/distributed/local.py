@@ -140,8 +140,9 @@ def _local_muon(
     momentum's dtype) and Magma's multiplier per matrix (``None`` without Magma).
     """
     lr, wd = settings.lr, settings.weight_decay
-    dtypes = {grads[id(p)].dtype for p in muon} | {p.dtype for p in muon}
-    if len({grads[id(p)].dtype for p in muon}) > 1 or len({p.dtype for p in muon}) > 1:
+    grad_dtypes, param_dtypes = {grads[id(p)].dtype for p in muon}, {p.dtype for p in muon}
+    if len(grad_dtypes) > 1 or len(param_dtypes) > 1:
+        dtypes = grad_dtypes | param_dtypes
         raise NotImplementedError(
             f"Muon parameters of one param_group in several dtypes {sorted(map(str, dtypes))} under FSDP2 or "
             "ddp_split; HybridMuon needs one parameter dtype and one gradient dtype per group there"
