@@ -114,3 +114,53 @@ def test_variants_in_flight_are_not_compiled_twice(monkeypatch, tmp_path):
     finally:
         registry.close()
     assert K.wait_ready(0)
+
+
+# A stand-in worker that "compiles" every key it is given (reports each one ok), as the real one
+# does on a GPU; with it, loading in this process is a stand-in too (the real one needs a GPU).
+REPORTS_OK = (
+    "import pickle, sys; keys, _ = pickle.load(sys.stdin.buffer); "
+    "print(*(f'{i}\\tok' for i in range(len(keys))), sep='\\n')"
+)
+
+
+def test_variants_already_in_the_cache_load_at_once_without_a_compile_process(monkeypatch, tmp_path):
+    loaded: list[tuple] = []
+    monkeypatch.setattr(K, "_compile", lambda key, device: loaded.append(key))
+    ledger = tmp_path / "ledger"
+    # First run: the variants compile in a child process, then load here.
+    first = K.KernelRegistry(worker=[sys.executable, "-c", REPORTS_OK], ledger=ledger)
+    pending = first.prepare(GPU, torch.float32, PATHS, magma=True)
+    assert pending is not None and not pending.is_set() and len(first.workers) == 1
+    assert pending.wait(60)
+    assert len(loaded) == 4  # standard phased, Gram panel, spans, Magma: each loaded once
+    # A later run with the same cache: no compile process (its stand-in would leave the
+    # marker file), the variants load before prepare() returns.
+    marker = tmp_path / "started"
+    later = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=ledger)
+    pending = later.prepare(GPU, torch.float32, PATHS, magma=True)
+    assert pending is not None and pending.is_set()
+    assert not later.workers and not marker.exists()
+    assert sorted(map(repr, loaded[4:])) == sorted(map(repr, loaded[:4]))
+    # A variant the cache has never held still goes to a compile process, and only that one.
+    try:
+        pending = later.prepare(GPU, torch.float32, [*PATHS, (True, 32, 4096)], magma=True)
+        assert pending is not None and not pending.is_set()
+        assert [len(w.keys) for w in later.workers] == [1]
+    finally:
+        later.close()
+    # Another cache (an emptied one, another TRITON_CACHE_DIR): a compile process again.
+    other = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=tmp_path / "other")
+    try:
+        assert not other.prepare(GPU, torch.float32, PATHS, magma=True).is_set()
+        assert len(other.workers) == 1
+    finally:
+        other.close()
+
+
+def test_the_ledger_lives_in_tritons_cache_folder(monkeypatch, tmp_path):
+    from deepmd_hybridmuon.kernels.compile import Ledger
+
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert Ledger().root == cache / "deepmd_hybridmuon"

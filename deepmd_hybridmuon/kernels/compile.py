@@ -2,13 +2,14 @@
 
 :func:`prepare` and :func:`wait_ready` ask the process-wide :data:`registry`; :func:`_compile`
 lists, per variant key, the launches that compile it; :func:`compile_worker` is the child
-process that runs it.
+process that runs it; :class:`Ledger` remembers which variants are already in Triton's cache.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import os
 import pickle
@@ -60,6 +61,80 @@ log = logging.getLogger("deepmd.hybridmuon")
 #
 # Compiling with example tensors of the same dtypes gives the same variants as the real
 # launches: integer arguments are not specialised on.
+#
+# A later run finds the variants in Triton's disk cache. Starting a child there would
+# still cost seconds (it imports torch and Triton) of torch-path steps, then an engine
+# rebuild, inside the first timed window of every run. So each variant this process has
+# loaded is written down in a :class:`Ledger` beside Triton's cache, and a variant the
+# ledger lists is loaded at once, in this process, at the first step (milliseconds). Should
+# Triton's cache have lost it meanwhile, that load compiles it right there, in the training
+# thread: seconds once, never a thread inside native code at exit.
+
+
+class Ledger:
+    """The variants some process loaded from (or compiled into) one Triton cache: an empty file each.
+
+    A file's name hashes the variant's key with everything Triton's own cache key depends on
+    that can differ between runs sharing the cache: this package's kernel sources and
+    schedules, the Triton and CUDA versions, and the GPU's compute capability. Emptying
+    Triton's cache (the default location of the ledger) empties the ledger too.
+
+    Parameters
+    ----------
+    root
+        The ledger's folder; default ``deepmd_hybridmuon/`` in Triton's cache folder
+        (``TRITON_CACHE_DIR``, else ``~/.triton/cache``), read at first use.
+    """
+
+    def __init__(self, root: Path | None = None) -> None:
+        self._root = root
+        self._fingerprint: str | None = None
+
+    @property
+    def root(self) -> Path:
+        """The ledger's folder."""
+        if self._root is None:
+            self._root = _triton_cache_dir() / "deepmd_hybridmuon"
+        return self._root
+
+    def _path(self, key: tuple[Any, ...], device: torch.device) -> Path:
+        if self._fingerprint is None:
+            self._fingerprint = _sources_fingerprint()
+        capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+        text = repr((self._fingerprint, capability, key[:-2], str(key[-1])))
+        return self.root / hashlib.sha256(text.encode()).hexdigest()[:40]
+
+    def has(self, key: tuple[Any, ...], device: torch.device) -> bool:
+        """Whether ``key`` was loaded by some process with this cache."""
+        return self._path(key, device).exists()
+
+    def add(self, key: tuple[Any, ...], device: torch.device) -> None:
+        """Note ``key`` as in the cache (best effort: a read-only cache only costs later runs a child)."""
+        path = self._path(key, device)
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+
+
+def _triton_cache_dir() -> Path:
+    """Triton's disk cache folder, as Triton itself resolves it."""
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):  # Triton before knobs (3.4)
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def _sources_fingerprint() -> str:
+    """A hash of what the compiled variants are made of: this package's kernel and schedule sources, versions."""
+    import triton
+
+    digest = hashlib.sha256(f"{triton.__version__} {torch.version.cuda}".encode())
+    here = Path(__file__).resolve().parent
+    for path in [*sorted(here.glob("*.py")), here.parent / "functional.py"]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 class _Pending:
@@ -109,11 +184,15 @@ class KernelRegistry:
         The child's command line; it reads ``(keys, device index)`` pickled on its standard
         input and writes one line per key on its standard output (see :func:`compile_worker`).
         Default: this package's :func:`compile_worker` under the current interpreter.
+    ledger
+        Where the variants already in Triton's cache are noted (:class:`Ledger`); a folder, or
+        default beside Triton's cache.
     """
 
-    def __init__(self, *, background: bool = True, worker: list[str] | None = None) -> None:
+    def __init__(self, *, background: bool = True, worker: list[str] | None = None, ledger: Path | None = None) -> None:
         self.background = background
         self.worker = worker
+        self.ledger = Ledger(ledger)
         self.ready: set[tuple[Any, ...]] = set()
         self.failed: set[tuple[Any, ...]] = set()
         self.workers: list[_Worker] = []
@@ -127,7 +206,8 @@ class KernelRegistry:
         """Start compiling the variants for ``paths`` ((use_gram, rows, cols) per launch), spans and Magma.
 
         Returns an object whose ``is_set()`` becomes true once they are compiled: at once
-        when they already are, or when ``background`` is off (they compile before
+        when they already are, when the :class:`Ledger` lists them (they load from Triton's
+        cache before returning), or when ``background`` is off (they compile before
         returning); ``None`` when a variant failed to compile earlier in this process (the
         engine then keeps the torch path; the failure was logged once).
         """
@@ -144,9 +224,11 @@ class KernelRegistry:
         if device.type != "cuda":  # the interpreter does not compile
             self.ready |= keys
             return pending
+        cached = [key for key in missing if self.ledger.has(key, device)]
+        missing = [key for key in missing if key not in cached]
         if missing and self.background and self._start(missing, device):
-            return pending
-        for key in missing:  # at once, in this process
+            missing = []
+        for key in cached + missing:  # at once, in this process
             self._load(key, device)
         return None if keys & self.failed else pending
 
@@ -209,6 +291,7 @@ class KernelRegistry:
             self._fail(key, str(err))
         else:
             self.ready.add(key)
+            self.ledger.add(key, device)
 
     def _fail(self, key: tuple[Any, ...], error: str) -> None:
         self.failed.add(key)
