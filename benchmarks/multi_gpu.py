@@ -102,7 +102,9 @@ def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argpa
         log += f"\n(timed out after {args.timeout} s)"
     (rundir / "train.log").write_text(log)
     out: dict[str, Any] = {"command": shlex.join(cmd), "returncode": rc, "wall_s": time.perf_counter() - t0}
-    out.update({k: v for k, v in parse_log(log).items() if k != "intervals"})
+    out.update(parse_log(log))
+    # A compile child ran in this run (Triton's cache lacked a variant, or the ledger did not list it).
+    out["compile_child"] = "Triton kernels compile in the background" in log
     if out["ours_active"] != (variant == "ours"):
         out["problem"] = "the plugin's log line says the wrong optimizer ran"
     if rc != 0:
@@ -229,19 +231,19 @@ def main() -> int:
             per["order"].append(label)
             run = per["runs"][label] = _run(args.workdir / path.stem / label, cfg, variant, gpus, args)
             print(f"[{path.stem} {label}] {json.dumps(run)}", flush=True)
+            # How far this run ends from the same optimizer's first-stage run (as each run ends, so
+            # that a call cut short keeps the distances of the runs it finished).
+            stage0 = f"stage{stages[0]}-{variant}"
+            ok = run.get("returncode") == 0 and per["runs"].get(stage0, {}).get("returncode") == 0
+            if label not in (stage0, "warmup") and ok:
+                try:
+                    ref = _params(args.workdir / path.stem / stage0, args.steps)
+                    mine = _params(args.workdir / path.stem / label, args.steps)
+                    per["distances"][f"{label} vs {stage0}"] = _distance(mine, ref)
+                except (OSError, RuntimeError, KeyError) as err:
+                    per["distances_error"] = f"{label}: {err}"
             if args.json:
                 write_json(args.json, results)
-        for label, run in per["runs"].items():
-            stage0 = f"stage{stages[0]}-{label.split('-', 1)[-1]}"
-            ok = run.get("returncode") == 0 and per["runs"].get(stage0, {}).get("returncode") == 0
-            if label in (stage0, "warmup") or not ok:
-                continue
-            try:
-                ref = _params(args.workdir / path.stem / stage0, args.steps)
-                mine = _params(args.workdir / path.stem / label, args.steps)
-                per["distances"][f"{label} vs {stage0}"] = _distance(mine, ref)
-            except (OSError, RuntimeError, KeyError) as err:
-                per["distances_error"] = f"{label}: {err}"
     text = report(results)
     print(text)
     if args.json:
