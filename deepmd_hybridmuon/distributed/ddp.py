@@ -21,7 +21,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import functional as F
-from .local import _apply_delta, _local_adam, _local_muon, _orthogonalize_owned, _Segments, _wire_dtype, is_dtensor
+from .local import (
+    _adam_buckets,
+    _apply_delta,
+    _flat_grads,
+    _local_adam,
+    _local_muon,
+    _orthogonalize_owned,
+    _Segments,
+    _wire_dtype,
+    is_dtensor,
+)
 from .plan import Plan, _collective, _owned, build_plan
 
 if TYPE_CHECKING:
@@ -158,16 +168,18 @@ def ddp_step_group(
     grads = {id(p): opt._grad_of(p) for p in active}
 
     # 1. The finite gate: the gradients are the same on every rank (DDP all-reduced them), so is the gate.
-    ok = F.finite_gate(list(grads.values()))
+    settings = F.GroupSettings.of(group)
+    routed = list(zip(active, (layout.route for layout in plan.params), strict=True))
+    buckets = _adam_buckets(opt, settings, [(p, route) for p, route in routed if route != "muon"], grads)
+    muon = [group["params"][p.index] for p in plan.muon]
+    muon_grad, ok = _flat_grads(buckets, muon, grads, active[0].device)
+    assert muon_grad is not None  # a split exists only for groups with Muon matrices
     if shared is not None:
         ok = torch.minimum(ok, shared.to(ok.device))
 
     # 2. Adam and AdamW, momentum, decay and Magma: on the whole tensors, as one process.
-    settings = F.GroupSettings.of(group)
-    routed = list(zip(active, (layout.route for layout in plan.params), strict=True))
-    _local_adam(opt, settings, [(p, route) for p, route in routed if route != "muon"], grads, ok)
-    muon = [group["params"][p.index] for p in plan.muon]
-    locals_, flat_p, update, damp = _local_muon(opt, settings, plan, muon, grads, ok, split.segments, None)
+    _local_adam(opt, settings, buckets, ok)
+    locals_, flat_p, update, damp = _local_muon(opt, settings, plan, muon, grads, muon_grad, ok, split.segments, None)
 
     # 3. Newton–Schulz of the owned matrices; one all-gather of every rank's deltas (padded
     # to the largest rank's size: a rank owning nothing sends padding).

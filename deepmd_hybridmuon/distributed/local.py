@@ -83,38 +83,73 @@ class _Segments:
         return out
 
 
-def _local_adam(
-    opt: HybridMuonOptimizer,
-    settings: F.GroupSettings,
-    params: list[tuple[torch.Tensor, str]],
-    grads: dict[int, torch.Tensor],
-    ok: torch.Tensor,
-) -> None:
-    """The Adam and AdamW routes of ``params`` (``(parameter, route)``): elementwise, one flat chain per bucket.
+class _AdamBucket:
+    """Adam-routed parameters that share one flat chain: their dtype, bias corrections and decay."""
 
-    Elementwise kernels give the same bits on a concatenation, so this matches the loop bitwise.
-    """
-    buckets: dict[tuple, list[torch.Tensor]] = {}
+    def __init__(self, params: list[torch.Tensor], beta1_pow: float, beta2_pow: float, decay: Any) -> None:
+        self.params, self.beta1_pow, self.beta2_pow, self.decay = params, beta1_pow, beta2_pow, decay
+        self.grad: torch.Tensor | None = None  # the local gradients, flat (set by _flat_grads)
+
+
+def _adam_buckets(
+    opt: HybridMuonOptimizer, settings: F.GroupSettings, params: list[tuple[torch.Tensor, str]], grads: dict
+) -> list[_AdamBucket]:
+    """The Adam and AdamW routes of ``params`` (``(parameter, route)``) in buckets; advances their Adam step."""
+    buckets: dict[tuple, _AdamBucket] = {}
     for p, route in params:
         state = opt._advance_adam_state(p, settings)
         decay = settings.adam_decay(route)
         key = (p.dtype, p.device, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
-        buckets.setdefault(key, []).append(p)
-    for (_, _, _, beta1_pow, beta2_pow, decay), ps in buckets.items():
-        locals_ = [local_shard(p) for p in ps]
-        moments = [opt._local_state(p, "exp_avg") for p in ps], [opt._local_state(p, "exp_avg_sq") for p in ps]
+        if key not in buckets:
+            buckets[key] = _AdamBucket([], state["beta1_pow"], state["beta2_pow"], decay)
+        buckets[key].params.append(p)
+    return list(buckets.values())
+
+
+def _flat_grads(
+    buckets: list[_AdamBucket], muon: list[torch.Tensor], grads: dict, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Each bucket's and the Muon parameters' local gradients, flat; and the finite gate of them all.
+
+    The gate reads the few flat concatenations, not every gradient (three launches each).
+    Returns the Muon flat gradient (``None`` without Muon parameters) and the gate.
+    """
+    for b in buckets:
+        b.grad = _flat([local_shard(grads[id(p)]) for p in b.params])
+    flats = [b.grad for b in buckets if b.grad is not None]
+    muon_grad = _flat([local_shard(grads[id(p)]) for p in muon]) if muon else None
+    if muon_grad is not None:
+        flats.append(muon_grad)
+    ok = F.finite_gate(flats).to(device) if flats else torch.ones((), dtype=torch.float32, device=device)
+    return muon_grad, ok
+
+
+def _local_adam(
+    opt: HybridMuonOptimizer, settings: F.GroupSettings, buckets: list[_AdamBucket], ok: torch.Tensor
+) -> None:
+    """The Adam and AdamW routes (:func:`_adam_buckets`, gradients from :func:`_flat_grads`): one flat chain per bucket.
+
+    Elementwise kernels give the same bits on a concatenation, so this matches the loop bitwise.
+    """
+    for b in buckets:
+        assert b.grad is not None  # _flat_grads ran
+        locals_ = [local_shard(p) for p in b.params]
+        moments = (
+            [opt._local_state(p, "exp_avg") for p in b.params],
+            [opt._local_state(p, "exp_avg_sq") for p in b.params],
+        )
         flat_p, flat_m, flat_v = _flat(locals_), _flat(moments[0]), _flat(moments[1])
         F.adam_update_(
             flat_p,
-            _flat([local_shard(grads[id(p)]) for p in ps]),
+            b.grad,
             flat_m,
             flat_v,
             beta1=settings.beta1,
             beta2=settings.beta2,
-            beta1_pow=beta1_pow,
-            beta2_pow=beta2_pow,
+            beta1_pow=b.beta1_pow,
+            beta2_pow=b.beta2_pow,
             lr=settings.adam_lr,
-            decay_factor=decay,
+            decay_factor=b.decay,
             ok=ok,
         )
         _write_back(locals_, flat_p)
@@ -128,14 +163,16 @@ def _local_muon(
     plan: Plan,
     muon: list[torch.Tensor],
     grads: dict[int, torch.Tensor],
+    flat_grad: torch.Tensor,
     ok: torch.Tensor,
     segments: _Segments,
     reduce: Callable[[torch.Tensor], Any] | None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Decay, momentum and Magma of the Muon parameters ``muon`` (plan order), on local tensors.
 
-    ``reduce`` completes Magma's per-matrix sums in place (FSDP2: an all-reduce of the shards'
-    partial sums); ``None`` when the local tensors hold whole matrices. Returns the local
+    ``flat_grad``: their local gradients, flat (:func:`_flat_grads`). ``reduce`` completes
+    Magma's per-matrix sums in place (FSDP2: an all-reduce of the shards' partial sums);
+    ``None`` when the local tensors hold whole matrices. Returns the local
     parameter tensors, their flat concatenation (decayed), the flat Nesterov update (in the
     momentum's dtype) and Magma's multiplier per matrix (``None`` without Magma).
     """
@@ -156,7 +193,7 @@ def _local_muon(
     locals_ = [local_shard(p) for p in muon]
     flat_p = _flat(locals_)
     flat_buf = _flat(bufs)
-    g = F.sanitize(_flat([local_shard(grads[id(p)]) for p in muon]).to(work), ok)
+    g = F.sanitize(flat_grad.to(work), ok)
     if wd > 0:
         flat_p.mul_(F.gate_factor(1.0 - lr * wd, ok, flat_p.dtype))
     update = F.nesterov_momentum_(flat_buf, g, settings.momentum, ok)
