@@ -8,10 +8,15 @@ for one ``step()`` after ``--warmup`` steps: the process-group collectives it is
 step calls itself (each at least one kernel launch on a GPU) and the mean step time over
 ``--steps`` steps, next to the same figures of the same model in one process.
 
+With ``--cuda`` the same runs on GPUs (one per rank, NCCL): the step's host time, its time
+to a synchronised end, and how many times it makes the host wait for the GPU (torch's sync
+debug mode: each wait is a warning) are printed too.
+
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/fsdp_collectives.py --world 2
     PYTHONPATH=<other checkout> python benchmarks/fsdp_collectives.py   # another version
+    python benchmarks/fsdp_collectives.py --cuda --world 2               # on 2 GPUs
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,7 +50,7 @@ def _model(config: str) -> torch.nn.Module:
 
 def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
-    return [torch.randn(p.shape, generator=gen) for p in params]
+    return [torch.randn(p.shape, generator=gen).to(p.device) for p in params]
 
 
 def _optimizer(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
@@ -62,10 +68,11 @@ def _under_op(event) -> bool:
     return False
 
 
-def _time_steps(named, opt, args, shard) -> tuple[float, collections.Counter]:
+def _time_steps(named, opt, args, shard) -> tuple[dict[str, float], collections.Counter]:
     from torch.profiler import ProfilerActivity, profile
 
     params = [p for _, p in named]
+    cuda = params[0].device.type == "cuda"
     for k in range(args.warmup):
         shard(params, _grads(params, k))
         opt.step()
@@ -80,13 +87,29 @@ def _time_steps(named, opt, args, shard) -> tuple[float, collections.Counter]:
     calls["top-level aten ops"] = sum(top.values())
     if os.environ.get("FSDP_OPS"):  # which operators: FSDP_OPS=1 prints the commonest of each process
         print(top.most_common(25), flush=True)
-    total = 0.0
+    if cuda:  # how often one step makes the host wait for the GPU
+        shard(params, _grads(params, 0))
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        calls["host waits for the GPU"] = sum("synchroniz" in str(w.message) for w in caught)
+    host = total = 0.0
     for k in range(args.steps):
         shard(params, _grads(params, k))
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         opt.step()
+        host += time.perf_counter() - start
+        if cuda:
+            torch.cuda.synchronize()
         total += time.perf_counter() - start
-    return total / args.steps, calls
+    return {"host": host / args.steps, "total": total / args.steps}, calls
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -96,12 +119,19 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     from torch.distributed.tensor import distribute_tensor
 
     torch.set_num_threads(1)
+    kind = "cuda" if args.cuda else "cpu"
+    if args.cuda:
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world, timeout=timedelta(seconds=300)
+        "nccl" if args.cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=300),
     )
     try:
-        model = _model(args.config)
-        fully_shard(model, mesh=init_device_mesh("cpu", (args.world,)))
+        model = _model(args.config).to(torch.device(kind, rank) if args.cuda else "cpu")
+        fully_shard(model, mesh=init_device_mesh(kind, (args.world,)))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
         def shard(params, grads):
@@ -111,6 +141,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         seconds, calls = _time_steps(named, _optimizer(named), args, shard)
         if rank == 0:
             Path(out).write_text(json.dumps({"seconds": seconds, "calls": dict(calls)}))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -121,12 +152,13 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cuda", action="store_true", help="GPUs and NCCL instead of CPU gloo ranks")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     import torch.multiprocessing as mp
 
-    model = _model(args.config)
+    model = _model(args.config).to("cuda" if args.cuda else "cpu")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = sum(1 for r in _optimizer(named).routing_table() if r["route"] == "muon" for _ in range(r["view"][0]))
 
@@ -143,12 +175,19 @@ def main() -> None:
     mp.start_processes(_worker, args=(port, args, out), nprocs=args.world, start_method="spawn")
     result = json.loads(Path(out).read_text())
     os.unlink(out)
+    where = f"{args.world} {'GPUs (NCCL)' if args.cuda else 'gloo ranks'}"
     print(f"model {Path(args.config).stem}: {len(named)} trainable parameters, {muon} Muon matrices")
-    print(f"one process: {single * 1e3:.1f} ms/step, {single_calls['top-level aten ops']} top-level aten ops")
     print(
-        f"FSDP2 on {args.world} gloo ranks: {result['seconds'] * 1e3:.1f} ms/step ({result['seconds'] / single:.2f}x)"
+        f"one process: {single['total'] * 1e3:.2f} ms/step (host {single['host'] * 1e3:.2f}), "
+        f"{single_calls['top-level aten ops']} top-level aten ops, "
+        f"{single_calls.get('host waits for the GPU', 0)} host waits"
     )
-    print(f"collectives in one step (rank 0): {sum(result['calls'].values())} {result['calls']}")
+    fsdp = result["seconds"]
+    print(
+        f"FSDP2 on {where}: {fsdp['total'] * 1e3:.2f} ms/step (host {fsdp['host'] * 1e3:.2f}; "
+        f"{fsdp['total'] / single['total']:.2f}x one process)"
+    )
+    print(f"collectives in one step (rank 0): {result['calls']}")
 
 
 if __name__ == "__main__":
