@@ -198,7 +198,13 @@ def report_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot_config(config: str, runs: list[dict[str, Any]], out: Path) -> Path:
+def plot_config(
+    config: str, runs: list[dict[str, Any]], out: Path, *, mean: bool = False, ymax: float | None = None
+) -> Path:
+    """Validation force and energy errors against step, one line per run (``mean``: per label, seeds' range shaded).
+
+    ``ymax`` (meV): the upper limit of both panels, so that a diverged run does not flatten the rest.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -217,19 +223,39 @@ def plot_config(config: str, runs: list[dict[str, Any]], out: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
     force, energy, kind = config_columns(runs) or ERROR_COLUMNS[0]
     panels = [(force, f"validation force {kind} (meV/Å)"), (energy, f"validation energy {kind} (meV/atom)")]
+
+    def points(r: dict[str, Any], col: str) -> dict[int, float]:
+        lc = r.get("lcurve") or {}
+        if col not in lc:
+            return {}
+        return {s: v * 1e3 for s, v in zip(lc["step"], lc[col], strict=True) if v > 0 and math.isfinite(v)}
+
     for ax, (col, title) in zip(axes, panels, strict=True):
-        for r in sorted(runs, key=lambda r: (labels.index(r["label"]), r["seed"])):
-            lc = r.get("lcurve") or {}
-            if col not in lc or not lc["step"]:
-                continue
-            pts = [(s, v * 1e3) for s, v in zip(lc["step"], lc[col], strict=True) if v > 0 and math.isfinite(v)]
+        if mean:
+            for label in labels:
+                curves = [points(r, col) for r in runs if r["label"] == label]
+                steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+                if not steps:
+                    continue
+                values = [[c[s] for c in curves] for s in steps]
+                ax.plot(
+                    steps,
+                    [statistics.fmean(v) for v in values],
+                    color=colors[label],
+                    marker=marker[label],
+                    markersize=4,
+                    label=f"{label} ({len(curves)} seeds)",
+                )
+                ax.fill_between(
+                    steps, [min(v) for v in values], [max(v) for v in values], color=colors[label], alpha=0.15
+                )
+        for r in [] if mean else sorted(runs, key=lambda r: (labels.index(r["label"]), r["seed"])):
+            pts = sorted(points(r, col).items())
             if not pts:
                 continue
-            xs = [x for x, _ in pts]
-            ys = [y for _, y in pts]
             ax.plot(
-                xs,
-                ys,
+                [x for x, _ in pts],
+                [y for _, y in pts],
                 color=colors[r["label"]],
                 linestyle=seed_style[r["seed"]],
                 marker=marker[r["label"]],
@@ -239,6 +265,8 @@ def plot_config(config: str, runs: list[dict[str, Any]], out: Path) -> Path:
                 label=f"{r['label']} seed {r['seed']}" + ("" if r.get("ok") else " (!)"),
             )
         ax.set_yscale("log")
+        if ymax is not None:
+            ax.set_ylim(top=ymax)
         ax.set_xlabel("step")
         ax.set_ylabel(title)
         ax.grid(True, which="both", alpha=0.3)
@@ -246,7 +274,8 @@ def plot_config(config: str, runs: list[dict[str, Any]], out: Path) -> Path:
     steps = sorted({r["steps"] for r in runs})
     schedules = sorted({r.get("lr_schedule", "exp") for r in runs})
     lr = "exp lr decay to start/30" if schedules == ["exp"] else f"lr schedule {','.join(schedules)}"
-    fig.suptitle(f"{config}: validation {kind} vs step ({','.join(map(str, steps))} steps, {lr})")
+    what = "mean over seeds, range shaded" if mean else "each run"
+    fig.suptitle(f"{config}: validation {kind} vs step ({','.join(map(str, steps))} steps, {lr}; {what})")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -304,6 +333,6 @@ def cmd_report(args: argparse.Namespace) -> int:
         if check := same_start_check(rs):
             print(f"{check}\n")
         if args.plots:
-            png = plot_config(config, rs, args.plots / f"quality_{config}.png")
+            png = plot_config(config, rs, args.plots / f"quality_{config}.png", mean=args.mean, ymax=args.ymax)
             print(f"![{config} learning curves]({png})\n")
     return 0

@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report", help="markdown tables and learning-curve PNGs from results files")
     p.add_argument("results", type=Path, nargs="+", help="results JSON files")
     p.add_argument("--plots", type=Path, default=None, help="write quality_<config>.png here")
+    p.add_argument("--mean", action="store_true", help="plot one curve per label (mean over seeds, range shaded)")
+    p.add_argument("--ymax", type=float, default=None, help="upper limit of the plots' error axes (meV)")
     p.set_defaults(func=cmd_report)
 
     args = ap.parse_args(argv)
