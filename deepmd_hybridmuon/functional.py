@@ -576,5 +576,7 @@ def sanitize(grad: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
 def gate_factor(factor: float | torch.Tensor, ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A multiplicative factor (weight decay) in ``dtype`` that becomes 1 when the step is skipped."""
     if not isinstance(factor, torch.Tensor):
-        factor = torch.tensor(factor, dtype=dtype, device=ok.device)
+        # A fill on the device: torch.tensor(factor, device=...) copies from the host and makes
+        # the host wait for the GPU's queue (the same value, rounded to dtype alike).
+        factor = torch.full((), factor, dtype=dtype, device=ok.device)
     return torch.where(ok > 0, factor.to(dtype), 1.0)

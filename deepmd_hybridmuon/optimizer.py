@@ -516,7 +516,8 @@ class HybridMuonOptimizer(Optimizer):
         Adam parameters are at different step counts, logged once), ``"ddp-split"`` (the
         Newton–Schulz work split across DDP replicas, ``ddp_split``; also ``world``,
         ``matrices``, ``owned_matrices`` by this rank, ``ns_cost_per_rank`` and
-        ``ns_cost_total`` in :func:`deepmd_hybridmuon.distributed.ns_cost` units) or ``"loop"``
+        ``ns_cost_total`` in :func:`deepmd_hybridmuon.distributed.ns_cost` units), ``"fsdp2"``
+        (FSDP2 DTensor parameters: the owner computes, :mod:`deepmd_hybridmuon.distributed`) or ``"loop"``
         (not stepped yet, the loop chosen, or a group the engine does not support). For the engine also:
         ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
         kernels are compiled), ``cuda_graph`` (steps replay a captured graph), and the paths of
@@ -528,6 +529,9 @@ class HybridMuonOptimizer(Optimizer):
         for index, group in enumerate(self.param_groups):
             if index in self._ddp_ran:
                 rows.append(self._ddp_ran[index].summary())
+                continue
+            if any(distributed.is_dtensor(p) for p in group["params"]):
+                rows.append({"implementation": "fsdp2"})
                 continue
             engine = self._engines.get(index)
             fresh = engine is not None and engine.signature == self._engine_signature(group)

@@ -357,6 +357,7 @@ def _scenario_fsdp2(rank: int, outdir: str) -> None:
         for nm, op in ((named, opt), (named2, opt2), (named3, opt3)):
             step(nm, op, k)
     results["end"] = _full(named)
+    results["table"] = opt.execution_table()
     results["end_resumed"] = _full(named2)
     results["end_single_process_checkpoint"] = _full(named3)
     results["state_kinds_after_plain_load"] = {
@@ -825,6 +826,7 @@ def test_fsdp2_matches_one_process(run: _Run, fsdp_reference: dict) -> None:
     """Default options (Gram path, Magma) on sharded DTensors == the single-process loop."""
     res = run.result("fsdp2", 0)
     ref = fsdp_reference
+    assert [row["implementation"] for row in res["table"]] == ["fsdp2"]
     # uneven and empty shards are in the test
     r1 = run.result("fsdp2", 1)
     assert res["local_shapes"]["extra.lowrank"] == (4, 10) and r1["local_shapes"]["extra.lowrank"] == (3, 10)
@@ -1122,3 +1124,47 @@ def test_magma_segment_sums_span_several_blocks() -> None:
     got = _Segments(lengths, matrix, 5, torch.device("cpu")).sums(values)
     # float64, sums of a few thousand O(1) values in another order: agree to ~1e-13
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+# The FSDP2 step on a GPU must not make the host wait for it: every wait stalls the launch of
+# the rest of the step (the step is host-bound: hundreds of small kernels). One rank (NCCL,
+# world size 1) is enough: the step's code is the same on every rank. In a subprocess, so
+# that this process's torch.distributed stays uninitialised for the other tests.
+FSDP_NO_WAIT = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
+torch.cuda.set_device(0)
+dist.init_process_group("nccl")
+from torch.distributed.fsdp import fully_shard
+from deepmd_hybridmuon import HybridMuonOptimizer
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16)).cuda()
+fully_shard(net)
+opt = HybridMuonOptimizer(net.parameters(), lr=1e-3, weight_decay=0.01, named_parameters=net.named_parameters())
+for k in range(3):
+    net(torch.randn(8, 32, device="cuda")).square().sum().backward()
+    torch.cuda.synchronize()
+    if k == 2:
+        torch.cuda.set_sync_debug_mode("error")
+    with torch.device("cuda"):
+        opt.step()
+    torch.cuda.set_sync_debug_mode("default")
+    opt.zero_grad()
+print(opt.execution_table()[0]["implementation"])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp2_step_does_not_make_the_host_wait_for_the_gpu() -> None:
+    import subprocess
+
+    run = subprocess.run(
+        [sys.executable, "-c", FSDP_NO_WAIT.format(port=_free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "fsdp2", run.stdout
