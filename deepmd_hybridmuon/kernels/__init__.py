@@ -26,7 +26,8 @@ Architecture, one module per kernel family:
   update over tables of tensor addresses (:func:`gather`, :func:`momentum_update`,
   :func:`apply_updates`).
 * :mod:`.compile`: compilation of the variants in a child process, tracked by one
-  :class:`KernelRegistry` (:data:`registry`; :func:`prepare`, :func:`wait_ready`).
+  :class:`KernelRegistry` (:data:`registry`; :func:`prepare`, :func:`wait_ready`), whose
+  :class:`~.compile.Ledger` lists the variants already in Triton's disk cache (they load at once).
 
 Precision follows the reference functions: bfloat16 operands with float32 accumulation
 for the standard iteration, float16 for the Gram iteration, normalisation in float32. The
