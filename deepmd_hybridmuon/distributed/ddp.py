@@ -20,12 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import functional as F
 from .local import (
-    _adam_buckets,
     _apply_delta,
-    _flat_grads,
     _local_adam,
+    _local_inputs,
     _local_muon,
     _orthogonalize_owned,
     _Segments,
@@ -168,18 +166,16 @@ def ddp_step_group(
     grads = {id(p): opt._grad_of(p) for p in active}
 
     # 1. The finite gate: the gradients are the same on every rank (DDP all-reduced them), so is the gate.
-    settings = F.GroupSettings.of(group)
-    routed = list(zip(active, (layout.route for layout in plan.params), strict=True))
-    buckets = _adam_buckets(opt, settings, [(p, route) for p, route in routed if route != "muon"], grads)
-    muon = [group["params"][p.index] for p in plan.muon]
-    muon_grad, ok = _flat_grads(buckets, muon, grads, active[0].device)
-    assert muon_grad is not None  # a split exists only for groups with Muon matrices
-    if shared is not None:
-        ok = torch.minimum(ok, shared.to(ok.device))
+    inputs = _local_inputs(opt, group, plan, grads, active[0].device)
+    assert inputs.muon_grad is not None  # a split exists only for groups with Muon matrices
+    ok = inputs.ok if shared is None else torch.minimum(inputs.ok, shared.to(inputs.ok.device))
 
     # 2. Adam and AdamW, momentum, decay and Magma: on the whole tensors, as one process.
-    _local_adam(opt, settings, buckets, ok)
-    locals_, flat_p, update, damp = _local_muon(opt, settings, plan, muon, grads, muon_grad, ok, split.segments, None)
+    settings = inputs.settings
+    _local_adam(opt, settings, inputs.buckets, ok)
+    locals_, flat_p, update, damp = _local_muon(
+        opt, settings, plan, inputs.muon, grads, inputs.muon_grad, ok, split.segments, None
+    )
 
     # 3. Newton–Schulz of the owned matrices; one all-gather of every rank's deltas (padded
     # to the largest rank's size: a rank owning nothing sends padding).

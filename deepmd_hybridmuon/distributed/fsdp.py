@@ -45,17 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import functional as F
-from .local import (
-    _adam_buckets,
-    _apply_delta,
-    _flat_grads,
-    _local_adam,
-    _local_muon,
-    _orthogonalize_owned,
-    _Segments,
-    _wire_dtype,
-)
+from .local import _apply_delta, _local_adam, _local_inputs, _local_muon, _orthogonalize_owned, _Segments, _wire_dtype
 from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan
 
 if TYPE_CHECKING:
@@ -262,28 +252,26 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
     grads = {id(p): opt._grad_of(p) for p in active}
 
     # 1. The finite gate of the local gradients: one all-reduce (min) per mesh dimension, on every rank.
-    settings = F.GroupSettings.of(group)
-    routed = list(zip(active, (layout.route for layout in plan.params), strict=True))
-    buckets = _adam_buckets(opt, settings, [(p, route) for p, route in routed if route != "muon"], grads)
-    muon = [group["params"][p.index] for p in plan.muon]
-    muon_grad, ok = _flat_grads(buckets, muon, grads, device)
-    if shared is not None:
-        ok = torch.minimum(ok, shared.to(device))
+    inputs = _local_inputs(opt, group, plan, grads, device)
+    ok = inputs.ok if shared is None else torch.minimum(inputs.ok, shared.to(device))
     for d in range(mesh.ndim):
         _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
 
     # 2. Adam and AdamW: elementwise on the local shards.
-    _local_adam(opt, settings, buckets, ok)
+    settings = inputs.settings
+    _local_adam(opt, settings, inputs.buckets, ok)
 
     # 3. Muon: momentum, decay and Magma on the shards; Newton–Schulz on the owners.
-    if muon_grad is None:
+    if inputs.muon_grad is None:
         return
     pg = mesh.get_group(shard_dim)
 
     def reduce(sums: torch.Tensor) -> None:  # Magma: whole-matrix sums from the shards' partial sums
         _collective("all_reduce", (sums.numel(),), dist.all_reduce, sums, op=dist.ReduceOp.SUM, group=pg)
 
-    locals_, flat_p, update, damp = _local_muon(opt, settings, plan, muon, grads, muon_grad, ok, ex.segments, reduce)
+    locals_, flat_p, update, damp = _local_muon(
+        opt, settings, plan, inputs.muon, grads, inputs.muon_grad, ok, ex.segments, reduce
+    )
     work = update.dtype
     wire = _wire_dtype(work)
     owned = to_owners(ex, update.to(wire), pg).to(work)

@@ -90,46 +90,59 @@ class _AdamBucket:
 
     def __init__(self, params: list[torch.Tensor], beta1_pow: float, beta2_pow: float, decay: Any) -> None:
         self.params, self.beta1_pow, self.beta2_pow, self.decay = params, beta1_pow, beta2_pow, decay
-        self.grad: torch.Tensor | None = None  # the local gradients, flat (set by _flat_grads)
+        self.grad: torch.Tensor | None = None  # the local gradients, flat (set by _local_inputs)
 
 
-def _adam_buckets(
-    opt: HybridMuonOptimizer, settings: F.GroupSettings, params: list[tuple[torch.Tensor, str]], grads: dict
-) -> list[_AdamBucket]:
-    """The Adam and AdamW routes of ``params`` (``(parameter, route)``) in buckets; advances their Adam step."""
-    buckets: dict[tuple, _AdamBucket] = {}
-    for p, route in params:
-        state = opt._advance_adam_state(p, settings)
-        decay = settings.adam_decay(route)
-        key = (p.dtype, p.device, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
-        if key not in buckets:
-            buckets[key] = _AdamBucket([], state["beta1_pow"], state["beta2_pow"], decay)
-        buckets[key].params.append(p)
-    return list(buckets.values())
+class _Inputs:
+    """What the elementwise work of one step reads: settings, Adam buckets, Muon parameters, flat gradients, gate."""
+
+    def __init__(
+        self,
+        settings: F.GroupSettings,
+        buckets: list[_AdamBucket],
+        muon: list[torch.Tensor],
+        muon_grad: torch.Tensor | None,
+        ok: torch.Tensor,
+    ) -> None:
+        self.settings, self.buckets, self.muon, self.muon_grad, self.ok = settings, buckets, muon, muon_grad, ok
 
 
-def _flat_grads(
-    buckets: list[_AdamBucket], muon: list[torch.Tensor], grads: dict, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Each bucket's and the Muon parameters' local gradients, flat; and the finite gate of them all.
+def _local_inputs(
+    opt: HybridMuonOptimizer, group: dict[str, Any], plan: Plan, grads: dict, device: torch.device
+) -> _Inputs:
+    """The step's inputs on this rank's local tensors (``plan.params`` are the group's active parameters).
 
-    The gate reads the few flat concatenations, not every gradient (three launches each).
-    Returns the Muon flat gradient (``None`` without Muon parameters) and the gate.
+    Advances the Adam step of the Adam-routed parameters and buckets them (dtype, bias
+    corrections, decay); flattens each bucket's and the Muon parameters' local gradients; and
+    reads this rank's finite gate from those few flat concatenations (not from every
+    gradient: three launches each).
     """
+    settings = F.GroupSettings.of(group)
+    by_key: dict[tuple, _AdamBucket] = {}
+    for layout in plan.params:
+        if layout.route == "muon":
+            continue
+        p = group["params"][layout.index]
+        state = opt._advance_adam_state(p, settings)
+        decay = settings.adam_decay(layout.route)
+        key = (p.dtype, p.device, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
+        if key not in by_key:
+            by_key[key] = _AdamBucket([], state["beta1_pow"], state["beta2_pow"], decay)
+        by_key[key].params.append(p)
+    buckets = list(by_key.values())
     for b in buckets:
         b.grad = _flat([local_shard(grads[id(p)]) for p in b.params])
-    flats = [b.grad for b in buckets if b.grad is not None]
+    muon = [group["params"][layout.index] for layout in plan.muon]
     muon_grad = _flat([local_shard(grads[id(p)]) for p in muon]) if muon else None
-    if muon_grad is not None:
-        flats.append(muon_grad)
+    flats = [b.grad for b in buckets if b.grad is not None] + ([muon_grad] if muon_grad is not None else [])
     ok = F.finite_gate(flats).to(device) if flats else torch.ones((), dtype=torch.float32, device=device)
-    return muon_grad, ok
+    return _Inputs(settings, buckets, muon, muon_grad, ok)
 
 
 def _local_adam(
     opt: HybridMuonOptimizer, settings: F.GroupSettings, buckets: list[_AdamBucket], ok: torch.Tensor
 ) -> None:
-    """The Adam and AdamW routes (:func:`_adam_buckets`, gradients from :func:`_flat_grads`): one flat chain per bucket.
+    """The Adam and AdamW routes in their buckets (:func:`_local_inputs`): one flat chain per bucket.
 
     Elementwise kernels give the same bits on a concatenation, so this matches the loop bitwise.
     """
@@ -172,7 +185,7 @@ def _local_muon(
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Decay, momentum and Magma of the Muon parameters ``muon`` (plan order), on local tensors.
 
-    ``flat_grad``: their local gradients, flat (:func:`_flat_grads`). ``reduce`` completes
+    ``flat_grad``: their local gradients, flat (:func:`_local_inputs`). ``reduce`` completes
     Magma's per-matrix sums in place (FSDP2: an all-reduce of the shards' partial sums);
     ``None`` when the local tensors hold whole matrices. Returns the local
     parameter tensors, their flat concatenation (decayed), the flat Nesterov update (in the
