@@ -518,6 +518,8 @@ class HybridMuonOptimizer(Optimizer):
         ``matrices``, ``owned_matrices`` by this rank, ``ns_cost_per_rank`` and
         ``ns_cost_total`` in :func:`deepmd_hybridmuon.distributed.ns_cost` units), ``"fsdp2"``
         (FSDP2 DTensor parameters: the owner computes, :mod:`deepmd_hybridmuon.distributed`) or ``"loop"``
+        (the two distributed rows also give ``kernels``: whether the owners' Newton–Schulz runs the
+        Triton launches, ``"triton"``, ``"compiling"`` or ``"torch"``),
         (not stepped yet, the loop chosen, or a group the engine does not support). For the engine also:
         ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
         kernels are compiled), ``cuda_graph`` (steps replay a captured graph), and the paths of
@@ -531,7 +533,7 @@ class HybridMuonOptimizer(Optimizer):
                 rows.append(self._ddp_ran[index].summary())
                 continue
             if any(distributed.is_dtensor(p) for p in group["params"]):
-                rows.append({"implementation": "fsdp2"})
+                rows.append(distributed.fsdp_summary(self, index))
                 continue
             engine = self._engines.get(index)
             fresh = engine is not None and engine.signature == self._engine_signature(group)

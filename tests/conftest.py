@@ -258,6 +258,18 @@ def kernels() -> Iterator[tuple[Any, torch.device]]:
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU: this module's test *_under_the_interpreter runs it interpreted")
+    from deepmd_hybridmuon import kernels as K
+
+    mp = interpreter_workarounds()
+    yield K, torch.device("cpu")
+    mp.undo()
+
+
+def interpreter_workarounds() -> pytest.MonkeyPatch:
+    """Patch the two shortcomings of Triton 3.6's interpreter (see :func:`kernels`); undo with ``.undo()``.
+
+    Also for processes that a test spawns (the distributed tests' ranks), which do not run fixtures.
+    """
     import triton.runtime.interpreter as interpreter
 
     from deepmd_hybridmuon import kernels as K
@@ -271,8 +283,7 @@ def kernels() -> Iterator[tuple[Any, torch.device]]:
     mp = pytest.MonkeyPatch()
     mp.setattr(interpreter, "_patch_lang_tensor", patch)
     mp.setattr(K, "STANDARD_WORK_DTYPE", torch.float16)
-    yield K, torch.device("cpu")
-    mp.undo()
+    return mp
 
 
 def run_interpreted(path: str, select: str) -> None:

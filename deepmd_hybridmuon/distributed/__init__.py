@@ -6,7 +6,8 @@
   goes through one door that :func:`trace_collectives` records.
 * :mod:`.local`: the step's work on local tensors (an FSDP2 shard, or a replicated tensor
   itself): the Adam routes, Muon momentum, decay and Magma sums batched over a group, and
-  the owners' Newton–Schulz stacked by shape. Both steps below use it.
+  the owners' Newton–Schulz: the engine's Triton launches where they apply
+  (:class:`OwnedKernels`), else stacked by shape. Both steps below use it.
 * :mod:`.fsdp`: FSDP2, the owner computes: shards travel to the owners and the updates
   back in two ``all_to_all_single`` per step, plus the gate and Magma all-reduces.
 * :mod:`.ddp`: DDP, ``ddp_split``: each replica orthogonalises the matrices it owns and one
@@ -18,7 +19,8 @@ is skipped because of local data (that would deadlock).
 
 from .ddp import DDP_SPLIT_MIN_COST, DDP_SPLIT_MODES, DdpSplit, ddp_split_of, ddp_step_group, split_pays
 from .fsdp import from_owners, plan_of, step_group, to_owners
-from .local import SEGMENT_BLOCK, is_dtensor, local_shard
+from .fsdp import summary_of as fsdp_summary
+from .local import SEGMENT_BLOCK, OwnedKernels, is_dtensor, local_shard
 from .plan import ParamLayout, Plan, build_plan, chunk_rows, ns_cost, trace_collectives
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "DDP_SPLIT_MODES",
     "SEGMENT_BLOCK",
     "DdpSplit",
+    "OwnedKernels",
     "ParamLayout",
     "Plan",
     "build_plan",
@@ -33,6 +36,7 @@ __all__ = [
     "ddp_split_of",
     "ddp_step_group",
     "from_owners",
+    "fsdp_summary",
     "is_dtensor",
     "local_shard",
     "ns_cost",

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .local import (
+    OwnedKernels,
     _apply_delta,
     _local_adam,
     _local_inputs,
@@ -68,7 +69,7 @@ class DdpSplit:
     the Muon buffer, its position in the gathered one.
     """
 
-    def __init__(self, plan: Plan, rank: int, device: torch.device) -> None:
+    def __init__(self, plan: Plan, rank: int, device: torch.device, flash_muon: bool = True) -> None:
         self.plan, self.rank = plan, rank
         muon = plan.muon
         starts, total = [], 0
@@ -92,6 +93,7 @@ class DdpSplit:
         self.owned_index = owned_index.to(device)
         sizes = [p.view[1] * p.view[2] for p in muon for _ in range(p.view[0])]  # type: ignore[index]
         self.segments = _Segments(sizes, list(range(len(sizes))), len(sizes), device)
+        self.kernels = OwnedKernels(self.groups, device) if flash_muon else None
 
     def summary(self) -> dict[str, Any]:
         """The ``execution_table`` row of a group that ran the split."""
@@ -102,6 +104,7 @@ class DdpSplit:
             "owned_matrices": sum(sg.count for sg in self.groups),
             "ns_cost_per_rank": max(self.plan.load),
             "ns_cost_total": sum(self.plan.load),
+            "kernels": self.kernels.state if self.kernels is not None else "torch",
         }
 
 
@@ -130,7 +133,7 @@ def ddp_split_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) ->
         return None
     world, rank = dist.get_world_size(), dist.get_rank()
     active = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None and p.numel() > 0]
-    key = (tuple(id(p) for _, p in active), opt._names_version, group["muon_mode"], world, rank, mode)
+    key = (tuple(id(p) for _, p in active), opt._names_version, group["muon_mode"], world, rank, mode, opt.flash_muon)
     caches: dict[int, _DdpCache] = opt.__dict__.setdefault("_ddp_splits", {})
     cache = caches.get(index)
     if cache is None or cache.key != key:
@@ -144,7 +147,8 @@ def ddp_split_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) ->
             and len({p.grad.dtype for p in muon}) == 1  # type: ignore[union-attr]
         )
         runs = fits and (mode == "always" or split_pays(plan))
-        cache = caches[index] = _DdpCache(key, DdpSplit(plan, rank, active[0][1].device) if runs else None)
+        split = DdpSplit(plan, rank, active[0][1].device, opt.flash_muon) if runs else None
+        cache = caches[index] = _DdpCache(key, split)
     return cache.split
 
 
@@ -181,7 +185,7 @@ def ddp_step_group(
     # to the largest rank's size: a rank owning nothing sends padding).
     wire = _wire_dtype(update.dtype)
     send = torch.zeros(split.pad, dtype=wire, device=update.device)
-    _orthogonalize_owned(settings, update[split.owned_index], split.groups, damp, send)
+    _orthogonalize_owned(settings, update[split.owned_index], split.groups, damp, send, split.kernels)
     gathered = torch.empty(split.pad * plan.world, dtype=wire, device=update.device)
     _collective("all_gather", (split.pad,), dist.all_gather_into_tensor, gathered, send)
     _apply_delta(flat_p, locals_, gathered[split.perm], ok, settings.lr)

@@ -45,7 +45,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .local import _apply_delta, _local_adam, _local_inputs, _local_muon, _orthogonalize_owned, _Segments, _wire_dtype
+from .local import (
+    OwnedKernels,
+    _apply_delta,
+    _local_adam,
+    _local_inputs,
+    _local_muon,
+    _orthogonalize_owned,
+    _Segments,
+    _wire_dtype,
+)
 from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan
 
 if TYPE_CHECKING:
@@ -88,6 +97,7 @@ class _Exchange:
                 offset += hi - lo
         self.lengths = lengths
         self.local_numel = sum(lengths)
+        self.kernels: OwnedKernels | None = None  # the owners' Triton launches (set by plan_of)
 
         # Send side: my pieces grouped by owner.
         mine = pieces[rank]
@@ -217,7 +227,7 @@ def plan_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) -> tupl
     active = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None and p.numel() > 0]
     world = mesh.size(dim) if mesh is not None else 1
     rank = mesh.get_local_rank(dim) if mesh is not None else 0
-    key = (tuple(id(p) for _, p in active), opt._names_version, group["muon_mode"], world, rank)
+    key = (tuple(id(p) for _, p in active), opt._names_version, group["muon_mode"], world, rank, opt.flash_muon)
     caches: dict[int, _Cache] = opt.__dict__.setdefault("_fsdp_plans", {})
     cache = caches.get(index)
     if cache is None or cache.key != key:
@@ -232,8 +242,17 @@ def plan_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) -> tupl
                     f"{lo}..{hi} of dim 0"
                 )
         device = torch.device(mesh.device_type) if mesh is not None else torch.device("cpu")
-        cache = caches[index] = _Cache(key, plan, _Exchange(plan, rank, device))
+        exchange = _Exchange(plan, rank, device)
+        exchange.kernels = OwnedKernels(exchange.groups, device) if opt.flash_muon else None
+        cache = caches[index] = _Cache(key, plan, exchange)
     return cache.plan, cache.exchange, mesh, dim
+
+
+def summary_of(opt: HybridMuonOptimizer, index: int) -> dict[str, Any]:
+    """The ``execution_table`` row of FSDP2 param_group ``index``: ``kernels`` of its owners' Newton–Schulz."""
+    cache = opt.__dict__.get("_fsdp_plans", {}).get(index)
+    kernels = cache.exchange.kernels if cache is not None else None
+    return {"implementation": "fsdp2", "kernels": kernels.state if kernels is not None else "torch"}
 
 
 def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
@@ -276,5 +295,5 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
     wire = _wire_dtype(work)
     owned = to_owners(ex, update.to(wire), pg).to(work)
     delta = torch.empty_like(owned, dtype=wire)
-    _orthogonalize_owned(settings, owned, ex.groups, damp, delta)
+    _orthogonalize_owned(settings, owned, ex.groups, damp, delta, ex.kernels)
     _apply_delta(flat_p, locals_, from_owners(ex, delta, pg), ok, settings.lr)

@@ -239,19 +239,104 @@ def _local_muon(
     return locals_, flat_p, update, damp
 
 
+class OwnedKernels:
+    """The engine's Triton kernels for a rank's owned matrices: one launch per path, one program per matrix.
+
+    An owned buffer (:func:`.plan._owned`'s layout) is a flat vector of whole matrices grouped
+    by shape, which is what ``kernels.orthogonalize_blocks`` reads: the engine's own grouping
+    (``engine.layout.assign``) gives each matrix its row of the metadata table (offset, sides,
+    orientation, block), and each launch writes ``factor * O`` of all its matrices straight into
+    the output buffer. Matrices it does not take (a smaller side over ``kernels.MAX_ROWS``, a
+    path that streams panels) keep the torch path, as do all of them until Triton has compiled
+    the variants in the background (``engine.compilation``), and buffers of other dtypes than
+    the ones asked for. Built lazily, for the dtype and ``use_gram`` of the first call.
+    """
+
+    def __init__(self, groups: list[_ShapeGroup], device: torch.device) -> None:
+        self.groups, self.device = groups, device
+        self.key: tuple[torch.dtype, bool] | None = None
+        self.launches: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.covered: set[int] = set()  # indices of the groups the launches orthogonalise
+        self.pending: Any = None
+        self.K: Any = None
+        self._scales: tuple[float, ...] | None = None
+        self._scale: torch.Tensor | None = None
+        self.ids = torch.cat([g.matrix_ids for g in groups]) if groups else torch.empty(0, dtype=torch.long)
+
+    def _build(self, dtype: torch.dtype, use_gram: bool) -> None:
+        from ..engine import compilation
+        from ..engine.layout import assign
+
+        self.key, self.launches, self.covered, self.pending = (dtype, use_gram), [], set(), None
+        if not self.groups or not compilation.triton_runs_on(self.device):
+            return
+        K = self.K = compilation.kernels()
+        fused, _, _ = assign([(g.count, g.rows, g.cols) for g in self.groups], K, use_gram, self.device)
+        fused = [f for f in fused if not K.panelled(f.use_gram, f.rows, f.cols)]
+        if not fused:
+            return
+        first_block, block = [], 0
+        for g in self.groups:
+            first_block.append(block)
+            block += g.count
+        taken = {row[int(K.MetaColumn.BLOCK)] for f in fused for row in f.meta}
+        self.covered = {i for i, b in enumerate(first_block) if b in taken}
+        for f in fused:
+            table = torch.tensor(f.meta, dtype=torch.int64, device=self.device)
+            work = torch.zeros(
+                1 if K.resident(f.rows, f.cols) else f.size, dtype=K.work_dtype(f.use_gram), device=self.device
+            )
+            self.launches.append((f, table, work, K.coefficient_table(f.use_gram, self.device)))
+        paths = [(f.use_gram, f.rows, f.cols) for f in fused]
+        self.pending = compilation.request(self.device, dtype, paths, False)
+
+    @property
+    def state(self) -> str:
+        """``"triton"`` (the launches run), ``"compiling"`` or ``"torch"`` (none apply), as of now."""
+        if not self.launches or self.pending is None:
+            return "torch"
+        return "triton" if self.pending.is_set() else "compiling"
+
+    def run(
+        self, settings: F.GroupSettings, owned: torch.Tensor, damp: torch.Tensor | None, out: torch.Tensor
+    ) -> set[int]:
+        """Orthogonalise the matrices the launches take, into ``out``; the indices of the groups done."""
+        if owned.dtype != out.dtype:
+            return set()
+        if self.key != (owned.dtype, settings.use_gram):
+            self._build(owned.dtype, settings.use_gram)
+        if self.state != "triton":
+            return set()
+        scales = tuple(settings.scale(g.rows, g.cols) for g in self.groups)
+        if scales != self._scales or self._scale is None:  # lr_adjust changed, or the first step: once
+            per_block = [s for s, g in zip(scales, self.groups, strict=True) for _ in range(g.count)]
+            self._scales, self._scale = scales, torch.tensor(per_block, dtype=torch.float32, device=owned.device)
+            self.ids = self.ids.to(owned.device)
+        factor = self._scale if damp is None else self._scale * damp[self.ids].to(torch.float32)
+        for f, table, work, coefs in self.launches:
+            self.K.orthogonalize_blocks(owned, out, work, table, coefs, factor, f.rows, f.cols, f.use_gram)
+        return self.covered
+
+
 def _orthogonalize_owned(
     settings: F.GroupSettings,
     owned: torch.Tensor,
     groups: list[_ShapeGroup],
     damp: torch.Tensor | None,
     out: torch.Tensor,
+    kernels: OwnedKernels | None = None,
 ) -> None:
-    """Newton–Schulz of the owned matrices, stacked by shape (``groups``), scaled and damped, into ``out``.
+    """Newton–Schulz of the owned matrices, scaled and damped, into ``out``.
 
     ``owned`` and ``out`` are owned buffers (:func:`_owned`'s layout); ``out`` may be longer
-    (padding, left as it is) and of a wider dtype.
+    (padding, left as it is) and of a wider dtype. The matrices ``kernels`` takes go through the
+    Triton launches (:class:`OwnedKernels`); the others are stacked by shape (``groups``) and
+    orthogonalised by :func:`functional.orthogonalize`.
     """
-    for sg in groups:
+    done = kernels.run(settings, owned, damp, out) if kernels is not None else set()
+    for i, sg in enumerate(groups):
+        if i in done:
+            continue
         n = sg.count * sg.rows * sg.cols
         orth = F.orthogonalize(owned[sg.start : sg.start + n].view(sg.count, sg.rows, sg.cols), settings.use_gram)
         d = orth * settings.scale(sg.rows, sg.cols)
