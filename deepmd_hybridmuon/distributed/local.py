@@ -309,8 +309,12 @@ class OwnedKernels:
             return set()
         scales = tuple(settings.scale(g.rows, g.cols) for g in self.groups)
         if scales != self._scales or self._scale is None:  # lr_adjust changed, or the first step: once
-            per_block = [s for s, g in zip(scales, self.groups, strict=True) for _ in range(g.count)]
-            self._scales, self._scale = scales, torch.tensor(per_block, dtype=torch.float32, device=owned.device)
+            # filled on the device (no copy from the host, which would make it wait for the GPU)
+            fills = [
+                torch.full((g.count,), s, dtype=torch.float32, device=owned.device)
+                for s, g in zip(scales, self.groups, strict=True)
+            ]
+            self._scales, self._scale = scales, torch.cat(fills)
             self.ids = self.ids.to(owned.device)
         factor = self._scale if damp is None else self._scale * damp[self.ids].to(torch.float32)
         for f, table, work, coefs in self.launches:
