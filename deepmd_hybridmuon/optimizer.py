@@ -518,9 +518,9 @@ class HybridMuonOptimizer(Optimizer):
         ``matrices``, ``owned_matrices`` by this rank, ``ns_cost_per_rank`` and
         ``ns_cost_total`` in :func:`deepmd_hybridmuon.distributed.ns_cost` units), ``"fsdp2"``
         (FSDP2 DTensor parameters: the owner computes, :mod:`deepmd_hybridmuon.distributed`) or ``"loop"``
-        (the two distributed rows also give ``kernels``: whether the owners' Newton–Schulz runs the
-        Triton launches, ``"triton"``, ``"compiling"`` or ``"torch"``),
-        (not stepped yet, the loop chosen, or a group the engine does not support). For the engine also:
+        (not stepped yet, the loop chosen, or a group the engine does not support). The two
+        distributed rows also give ``kernels``: ``"triton"`` when the owners' Newton–Schulz runs the
+        engine's Triton launches, ``"compiling"`` or ``"torch"``. For the engine also:
         ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
         kernels are compiled), ``cuda_graph`` (steps replay a captured graph), and the paths of
         the Muon matrices: ``program_matrices`` (one Triton program each), ``panelled`` (some

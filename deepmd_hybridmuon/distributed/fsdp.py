@@ -72,7 +72,7 @@ class _Exchange:
     ``gather`` reassembles its matrices, grouped by shape.
     """
 
-    def __init__(self, plan: Plan, rank: int, device: torch.device) -> None:
+    def __init__(self, plan: Plan, rank: int, device: torch.device, flash_muon: bool = True) -> None:
         world = plan.world
         muon = plan.muon
         # Pieces of every rank: (src, k, j, start in the matrix, length, offset in src's local buffer).
@@ -97,7 +97,6 @@ class _Exchange:
                 offset += hi - lo
         self.lengths = lengths
         self.local_numel = sum(lengths)
-        self.kernels: OwnedKernels | None = None  # the owners' Triton launches (set by plan_of)
 
         # Send side: my pieces grouped by owner.
         mine = pieces[rank]
@@ -111,6 +110,7 @@ class _Exchange:
         self.send_index = _cat_index(send_index, device)
 
         self.groups, start_of, self.owned_numel = _owned(plan, rank, device)
+        self.kernels = OwnedKernels(self.groups, device) if flash_muon else None  # the owners' Triton launches
 
         # Receive side: pieces of every source owned here, in the senders' order.
         self.recv_splits = [0] * world
@@ -242,9 +242,7 @@ def plan_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) -> tupl
                     f"{lo}..{hi} of dim 0"
                 )
         device = torch.device(mesh.device_type) if mesh is not None else torch.device("cpu")
-        exchange = _Exchange(plan, rank, device)
-        exchange.kernels = OwnedKernels(exchange.groups, device) if opt.flash_muon else None
-        cache = caches[index] = _Cache(key, plan, exchange)
+        cache = caches[index] = _Cache(key, plan, _Exchange(plan, rank, device, opt.flash_muon))
     return cache.plan, cache.exchange, mesh, dim
 
 

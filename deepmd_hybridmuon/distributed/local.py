@@ -240,62 +240,68 @@ def _local_muon(
 
 
 class OwnedKernels:
-    """The engine's Triton kernels for a rank's owned matrices: one launch per path, one program per matrix.
+    """The engine's Triton kernel for a rank's owned matrices: one launch per path, one program per matrix.
 
     An owned buffer (:func:`.plan._owned`'s layout) is a flat vector of whole matrices grouped
     by shape, which is what ``kernels.orthogonalize_blocks`` reads: the engine's own grouping
     (``engine.layout.assign``) gives each matrix its row of the metadata table (offset, sides,
-    orientation, block), and each launch writes ``factor * O`` of all its matrices straight into
-    the output buffer. Matrices it does not take (a smaller side over ``kernels.MAX_ROWS``, a
-    path that streams panels) keep the torch path, as do all of them until Triton has compiled
-    the variants in the background (``engine.compilation``), and buffers of other dtypes than
-    the ones asked for. Built lazily, for the dtype and ``use_gram`` of the first call.
+    orientation, block) and ``engine.layout.build_fused`` its tables, and each launch writes
+    ``factor * O`` of all its matrices straight into the output buffer. Matrices it does not
+    take (a smaller side over ``kernels.MAX_ROWS``, a path that streams panels) keep the torch
+    path, as do all of them until Triton has compiled the variants in the background
+    (``engine.compilation``), for good if one fails to compile, and for buffers of other
+    dtypes than the ones asked for. Built lazily, for the dtype and ``use_gram`` of the first call.
     """
 
     def __init__(self, groups: list[_ShapeGroup], device: torch.device) -> None:
         self.groups, self.device = groups, device
         self.key: tuple[torch.dtype, bool] | None = None
-        self.launches: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.fused: list[Any] = []  # engine.layout.Fused, with their device tables
         self.covered: set[int] = set()  # indices of the groups the launches orthogonalise
-        self.pending: Any = None
+        self.pending: Any = None  # the compilation asked for (None: none, or one failed)
+        self.ready = False
         self.K: Any = None
         self._scales: tuple[float, ...] | None = None
         self._scale: torch.Tensor | None = None
-        self.ids = torch.cat([g.matrix_ids for g in groups]) if groups else torch.empty(0, dtype=torch.long)
+        self.ids = torch.cat([g.matrix_ids for g in groups]) if groups else None
 
     def _build(self, dtype: torch.dtype, use_gram: bool) -> None:
         from ..engine import compilation
-        from ..engine.layout import assign
+        from ..engine.layout import assign, build_fused
 
-        self.key, self.launches, self.covered, self.pending = (dtype, use_gram), [], set(), None
+        self.key, self.fused, self.covered, self.pending, self.ready = (dtype, use_gram), [], set(), None, False
         if not self.groups or not compilation.triton_runs_on(self.device):
             return
         K = self.K = compilation.kernels()
         fused, _, _ = assign([(g.count, g.rows, g.cols) for g in self.groups], K, use_gram, self.device)
-        fused = [f for f in fused if not K.panelled(f.use_gram, f.rows, f.cols)]
-        if not fused:
+        self.fused = [f for f in fused if not K.panelled(f.use_gram, f.rows, f.cols)]
+        for f in self.fused:
+            build_fused(K, f, self.device)
+        # A group (one shape) lies on one path: it is covered when its first block is.
+        taken = {row[int(K.MetaColumn.BLOCK)] for f in self.fused for row in f.meta}
+        first = [sum(g.count for g in self.groups[:i]) for i in range(len(self.groups))]
+        self.covered = {i for i, block in enumerate(first) if block in taken}
+        if self.fused:
+            self.pending = compilation.request(self.device, dtype, self._paths(), False)
+
+    def _paths(self) -> list[tuple[bool, int, int]]:
+        return [(f.use_gram, f.rows, f.cols) for f in self.fused]
+
+    def _poll(self) -> None:
+        """Switch to the launches once their compilation is over and none of them failed."""
+        if self.ready or self.pending is None or not self.pending.is_set():
             return
-        first_block, block = [], 0
-        for g in self.groups:
-            first_block.append(block)
-            block += g.count
-        taken = {row[int(K.MetaColumn.BLOCK)] for f in fused for row in f.meta}
-        self.covered = {i for i, b in enumerate(first_block) if b in taken}
-        for f in fused:
-            table = torch.tensor(f.meta, dtype=torch.int64, device=self.device)
-            work = torch.zeros(
-                1 if K.resident(f.rows, f.cols) else f.size, dtype=K.work_dtype(f.use_gram), device=self.device
-            )
-            self.launches.append((f, table, work, K.coefficient_table(f.use_gram, self.device)))
-        paths = [(f.use_gram, f.rows, f.cols) for f in fused]
-        self.pending = compilation.request(self.device, dtype, paths, False)
+        from ..engine import compilation
+
+        # Set also when a variant failed: asking again answers None then.
+        self.pending = compilation.request(self.device, self.key[0], self._paths(), False)  # type: ignore[index]
+        self.ready = self.pending is not None
 
     @property
     def state(self) -> str:
         """``"triton"`` (the launches run), ``"compiling"`` or ``"torch"`` (none apply), as of now."""
-        if not self.launches or self.pending is None:
-            return "torch"
-        return "triton" if self.pending.is_set() else "compiling"
+        self._poll()
+        return "triton" if self.ready else ("compiling" if self.pending is not None else "torch")
 
     def run(
         self, settings: F.GroupSettings, owned: torch.Tensor, damp: torch.Tensor | None, out: torch.Tensor
@@ -305,7 +311,8 @@ class OwnedKernels:
             return set()
         if self.key != (owned.dtype, settings.use_gram):
             self._build(owned.dtype, settings.use_gram)
-        if self.state != "triton":
+        self._poll()
+        if not self.ready:
             return set()
         scales = tuple(settings.scale(g.rows, g.cols) for g in self.groups)
         if scales != self._scales or self._scale is None:  # lr_adjust changed, or the first step: once
@@ -315,10 +322,9 @@ class OwnedKernels:
                 for s, g in zip(scales, self.groups, strict=True)
             ]
             self._scales, self._scale = scales, torch.cat(fills)
-            self.ids = self.ids.to(owned.device)
         factor = self._scale if damp is None else self._scale * damp[self.ids].to(torch.float32)
-        for f, table, work, coefs in self.launches:
-            self.K.orthogonalize_blocks(owned, out, work, table, coefs, factor, f.rows, f.cols, f.use_gram)
+        for f in self.fused:
+            self.K.orthogonalize_blocks(owned, out, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram)
         return self.covered
 
 

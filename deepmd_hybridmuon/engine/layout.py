@@ -152,6 +152,27 @@ def kernel_paths(
     return [(f.use_gram, f.rows, f.cols) for f in fused] + [(g.use_gram, *g.shape) for g in phased]
 
 
+def build_fused(K: ModuleType, f: Fused, device: torch.device) -> None:
+    """The device tables and workspaces of one Triton launch group (``f``'s fields), on ``device``.
+
+    Also used for the owners' matrices under FSDP2 and the DDP split (``distributed.OwnedKernels``).
+    """
+    kw = {"device": device}
+    f.table = torch.tensor(f.meta, dtype=torch.int64, **kw)
+    size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
+    f.work = torch.zeros(size, dtype=K.work_dtype(f.use_gram), **kw)
+    f.coefs = K.coefficient_table(f.use_gram, device)
+    f.panelled = K.panelled(f.use_gram, f.rows, f.cols)
+    if f.panelled:
+        panels, first = K.panel_table(f.meta)
+        bm = K.panel_block(f.rows)
+        f.panels = torch.tensor(panels, dtype=torch.int64, **kw)
+        f.first = torch.tensor(first, dtype=torch.int64, **kw)
+        f.partial = torch.zeros(len(panels), bm, bm, dtype=torch.float32, **kw)
+        f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
+        f.inv = torch.zeros(len(f.meta), dtype=torch.float32, **kw)
+
+
 class Layout:
     """Flat buffers, state views and path tables of one param_group.
 
@@ -264,7 +285,7 @@ class Layout:
         # of the torch path.
         fused, phased, buckets = assign(views, K, bool(group["enable_gram"]), self.device)
         for f in fused:
-            self._build_fused(K, f)
+            build_fused(K, f, self.device)
         self.fused_paths = fused
         for g in phased:
             self._build_phased(K, g, len(phased))
@@ -295,23 +316,6 @@ class Layout:
         self.betas_t = torch.tensor([self.beta, 1.0 - self.beta], dtype=self.dtype, **kw)
         self.update = torch.zeros_like(self.momentum)
         self.param_addresses = torch.tensor([p.data_ptr() for p in self.staged], dtype=torch.int64, **kw)
-
-    def _build_fused(self, K: Any, f: Fused) -> None:
-        """Device tables and workspaces of one Triton launch group."""
-        kw = {"device": self.device}
-        f.table = torch.tensor(f.meta, dtype=torch.int64, **kw)
-        size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
-        f.work = torch.zeros(size, dtype=K.work_dtype(f.use_gram), **kw)
-        f.coefs = K.coefficient_table(f.use_gram, self.device)
-        f.panelled = K.panelled(f.use_gram, f.rows, f.cols)
-        if f.panelled:
-            panels, first = K.panel_table(f.meta)
-            bm = K.panel_block(f.rows)
-            f.panels = torch.tensor(panels, dtype=torch.int64, **kw)
-            f.first = torch.tensor(first, dtype=torch.int64, **kw)
-            f.partial = torch.zeros(len(panels), bm, bm, dtype=torch.float32, **kw)
-            f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
-            f.inv = torch.zeros(len(f.meta), dtype=torch.float32, **kw)
 
     def _build_phased(self, K: Any, g: Phased, groups: int) -> None:
         """Tables, workspaces and grid of one phased group (``groups`` of them may run at once)."""
