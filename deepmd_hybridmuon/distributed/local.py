@@ -261,7 +261,7 @@ class OwnedKernels:
         self.pending: Any = None  # the compilation asked for (None: none, or one failed)
         self.ready = False
         self.K: Any = None
-        self._scales: tuple[float, ...] | None = None
+        self._scaling: tuple[float, float] | None = None
         self._scale: torch.Tensor | None = None
         self.ids = torch.cat([g.matrix_ids for g in groups]) if groups else None
 
@@ -314,14 +314,14 @@ class OwnedKernels:
         self._poll()
         if not self.ready:
             return set()
-        scales = tuple(settings.scale(g.rows, g.cols) for g in self.groups)
-        if scales != self._scales or self._scale is None:  # lr_adjust changed, or the first step: once
+        scaling = (settings.lr_adjust, settings.lr_adjust_coeff)  # all functional.muon_scale reads
+        if scaling != self._scaling or self._scale is None:  # the first step, or lr_adjust changed
             # filled on the device (no copy from the host, which would make it wait for the GPU)
             fills = [
-                torch.full((g.count,), s, dtype=torch.float32, device=owned.device)
-                for s, g in zip(scales, self.groups, strict=True)
+                torch.full((g.count,), settings.scale(g.rows, g.cols), dtype=torch.float32, device=owned.device)
+                for g in self.groups
             ]
-            self._scales, self._scale = scales, torch.cat(fills)
+            self._scaling, self._scale = scaling, torch.cat(fills)
         factor = self._scale if damp is None else self._scale * damp[self.ids].to(torch.float32)
         for f in self.fused:
             self.K.orthogonalize_blocks(owned, out, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram)
