@@ -10,7 +10,10 @@ step calls itself (each at least one kernel launch on a GPU) and the mean step t
 
 With ``--cuda`` the same runs on GPUs (one per rank, NCCL): the step's host time, its time
 to a synchronised end, and how many times it makes the host wait for the GPU (torch's sync
-debug mode: each wait is a warning) are printed too.
+debug mode: each wait is a warning) are printed too. The warm-up waits (up to 300 s) until
+the owners' Triton kernels are compiled, so the timed steps run them; the ranks then time
+torch's AdamW (foreach) on the same sharded model, the reference of issue 12's targets.
+``FSDP_PROFILE=1`` prints rank 0's cProfile of the timed steps (the host's Python time).
 
 Usage::
 
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
 import os
+import pstats
 import socket
 import sys
 import time
@@ -76,6 +81,7 @@ def _time_steps(named, opt, args, shard) -> tuple[dict[str, float], collections.
     for k in range(args.warmup):
         shard(params, _grads(params, k))
         opt.step()
+    _wait_for_kernels(opt, shard, params)
     shard(params, _grads(params, args.warmup))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         opt.step()
@@ -99,17 +105,44 @@ def _time_steps(named, opt, args, shard) -> tuple[dict[str, float], collections.
                 torch.cuda.set_sync_debug_mode("default")
         calls["host waits for the GPU"] = sum("synchroniz" in str(w.message) for w in caught)
     host = total = 0.0
+    profiler = cProfile.Profile() if os.environ.get("FSDP_PROFILE") and _rank() == 0 else None
     for k in range(args.steps):
         shard(params, _grads(params, k))
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         opt.step()
+        if profiler is not None:
+            profiler.disable()
         host += time.perf_counter() - start
         if cuda:
             torch.cuda.synchronize()
         total += time.perf_counter() - start
+    if profiler is not None:
+        print(f"cProfile of {type(opt).__name__}, {args.steps} steps", flush=True)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
     return {"host": host / args.steps, "total": total / args.steps}, calls
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _wait_for_kernels(opt: torch.optim.Optimizer, shard, params: list[torch.Tensor]) -> None:
+    """Step until no row of ``opt.execution_table()`` is compiling (300 s at most); torch optimizers have none."""
+    table = getattr(opt, "execution_table", None)
+    deadline = time.monotonic() + 300
+    while table is not None and any(r.get("kernels") == "compiling" for r in table()):
+        if time.monotonic() > deadline:
+            print("kernels still compiling after 300 s: timing the torch path", flush=True)
+            return
+        time.sleep(1.0)
+        shard(params, _grads(params, 0))
+        opt.step()
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -138,9 +171,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             for p, g in zip(params, grads, strict=True):
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
 
-        seconds, calls = _time_steps(named, _optimizer(named), args, shard)
+        opt = _optimizer(named)
+        seconds, calls = _time_steps(named, opt, args, shard)
+        kernels = [r.get("kernels") for r in opt.execution_table()]
+        adamw, adamw_calls = _time_steps(named, torch.optim.AdamW([p for _, p in named], lr=1e-3), args, shard)
         if rank == 0:
-            Path(out).write_text(json.dumps({"seconds": seconds, "calls": dict(calls)}))
+            result = {"seconds": seconds, "calls": dict(calls), "kernels": kernels}
+            result["adamw"] = {"seconds": adamw, "calls": dict(adamw_calls)}
+            Path(out).write_text(json.dumps(result))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -187,7 +225,13 @@ def main() -> None:
         f"FSDP2 on {where}: {fsdp['total'] * 1e3:.2f} ms/step (host {fsdp['host'] * 1e3:.2f}; "
         f"{fsdp['total'] / single['total']:.2f}x one process)"
     )
-    print(f"collectives in one step (rank 0): {result['calls']}")
+    print(f"collectives in one step (rank 0): {result['calls']}; owners' kernels: {result['kernels']}")
+    adamw = result["adamw"]["seconds"]
+    print(
+        f"torch AdamW (foreach) under FSDP2 on {where}: {adamw['total'] * 1e3:.2f} ms/step (host "
+        f"{adamw['host'] * 1e3:.2f}); HybridMuon / AdamW {fsdp['total'] / adamw['total']:.2f}x; "
+        f"AdamW's step: {result['adamw']['calls']}"
+    )
 
 
 if __name__ == "__main__":
