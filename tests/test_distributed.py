@@ -1189,12 +1189,13 @@ ref_opt._implementation = "loop"
 for k in range(4):
     step(net, opt, k, check=k == 3)
     step(ref, ref_opt, k)
-worst = 0.0
-for p, r, p0 in zip(net.parameters(), ref.parameters(), start):
+errors = []
+for (name, p), r, p0 in zip(net.named_parameters(), ref.parameters(), start):
     moved, expected = p.full_tensor() - p0, r.detach() - p0
-    worst = max(worst, float((moved - expected).abs().max() / expected.abs().max()))
+    errors.append(float((moved - expected).norm() / expected.norm()))
+    print(name, errors[-1], float((moved - expected).abs().max() / expected.abs().max()))
 row = opt.execution_table()[0]
-print(row["implementation"], row["kernels"], worst)
+print(row["implementation"], row["kernels"], max(errors))
 dist.destroy_process_group()
 """
 
@@ -1214,7 +1215,7 @@ def test_fsdp2_on_a_gpu_runs_the_kernels_matches_the_loop_and_never_waits() -> N
     implementation, kernels, worst = run.stdout.split()[-3:]
     assert (implementation, kernels) == ("fsdp2", "triton"), run.stdout
     # the owners' Triton launches against the loop's cuBLAS chain: test_parity's kernel tolerance,
-    # relative to the largest change of each parameter over the 4 steps
+    # on the norm of each parameter's change over the 4 steps, as test_parity measures it
     assert float(worst) <= 3e-2, run.stdout
 
 
