@@ -93,6 +93,7 @@ def _time_steps(named, opt, args, shard) -> tuple[dict[str, float], collections.
     calls["top-level aten ops"] = sum(top.values())
     if os.environ.get("FSDP_OPS"):  # which operators: FSDP_OPS=1 prints the commonest of each process
         print(top.most_common(25), flush=True)
+    caught: list = []
     if cuda:  # how often one step makes the host wait for the GPU
         shard(params, _grads(params, 0))
         torch.cuda.synchronize()
@@ -105,24 +106,28 @@ def _time_steps(named, opt, args, shard) -> tuple[dict[str, float], collections.
                 torch.cuda.set_sync_debug_mode("default")
         calls["host waits for the GPU"] = sum("synchroniz" in str(w.message) for w in caught)
     host = total = 0.0
-    profiler = cProfile.Profile() if os.environ.get("FSDP_PROFILE") and _rank() == 0 else None
     for k in range(args.steps):
         shard(params, _grads(params, k))
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        if profiler is not None:
-            profiler.enable()
         opt.step()
-        if profiler is not None:
-            profiler.disable()
         host += time.perf_counter() - start
         if cuda:
             torch.cuda.synchronize()
         total += time.perf_counter() - start
-    if profiler is not None:
+    if os.environ.get("FSDP_PROFILE"):  # after the timing (cProfile slows the host), on every rank
+        profiler = cProfile.Profile()
+        for k in range(args.steps):
+            shard(params, _grads(params, k))
+            profiler.enable()
+            opt.step()
+            profiler.disable()
+    if os.environ.get("FSDP_PROFILE") and _rank() == 0:  # rank 0 prints
         print(f"cProfile of {type(opt).__name__}, {args.steps} steps", flush=True)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        for w in caught if cuda else []:  # where the host waited
+            print(f"host wait: {w.filename}:{w.lineno}: {w.message}", flush=True)
     return {"host": host / args.steps, "total": total / args.steps}, calls
 
 

@@ -520,7 +520,8 @@ class HybridMuonOptimizer(Optimizer):
         (FSDP2 DTensor parameters: the owner computes, :mod:`deepmd_hybridmuon.distributed`) or ``"loop"``
         (not stepped yet, the loop chosen, or a group the engine does not support). The two
         distributed rows also give ``kernels``: ``"triton"`` when the owners' Newton–Schulz runs the
-        engine's Triton launches, ``"compiling"`` or ``"torch"``. For the engine also:
+        engine's Triton launches, ``"compiling"`` or ``"torch"``, and ``torch_matrices``: (rows,
+        cols) of each shape this rank orthogonalises on the torch path. For the engine also:
         ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
         kernels are compiled), ``cuda_graph`` (steps replay a captured graph), and the paths of
         the Muon matrices: ``program_matrices`` (one Triton program each), ``panelled`` (some

@@ -967,8 +967,11 @@ def test_fsdp2_owner_matches_one_process(owner_runs: dict[int, _Run], world: int
     for rank in range(1, world):
         _assert_exact(_owner(owner_runs, world, rank)[f"{label}/1/end"], got)
     # The owners' Newton–Schulz: the engine's Triton launches where Triton runs (here, under its
-    # interpreter: test_owners_run_the_triton_kernels_under_the_interpreter), torch otherwise.
-    assert res[f"{label}/1/table"] == [{"implementation": "fsdp2", "kernels": OWNERS_KERNELS}]
+    # interpreter: test_owners_run_the_triton_kernels_under_the_interpreter), for every owned
+    # shape (all at most MAX_ROWS here); torch otherwise.
+    [row] = res[f"{label}/1/table"]
+    assert (row["implementation"], row["kernels"]) == ("fsdp2", OWNERS_KERNELS), row
+    assert (row["torch_matrices"] == []) == (OWNERS_KERNELS == "triton"), row
 
 
 @pytest.mark.parametrize("world", OWNER_WORLDS)
@@ -1064,6 +1067,7 @@ def test_ddp_split_matches_one_process(ddp_split_runs: dict[int, _Run], world: i
     res = _ddp_split(ddp_split_runs, world)[f"{label}/1"]
     assert res["table"][0]["implementation"] == "ddp-split" and res["table"][0]["world"] == world
     assert res["table"][0]["kernels"] == OWNERS_KERNELS
+    assert (res["table"][0]["torch_matrices"] == []) == (OWNERS_KERNELS == "triton"), res["table"]
     for rank in range(1, world):
         other = _ddp_split(ddp_split_runs, world, rank)[f"{label}/1"]
         _assert_exact(other["end"], res["end"])
@@ -1145,8 +1149,9 @@ def test_magma_segment_sums_span_several_blocks() -> None:
 # The FSDP2 step on a GPU must not make the host wait for it: every wait stalls the launch of
 # the rest of the step (the step is host-bound: hundreds of small kernels). One rank (NCCL,
 # world size 1) is enough: the step's code is the same on every rank. The owners' Newton–Schulz
-# runs the engine's Triton launches (a first optimizer waits for their compilation, so the
-# measured one finds them loaded), and the result is the loop's on an unsharded copy. In a
+# runs the engine's Triton launches on every path (a first optimizer waits for their
+# compilation, so the measured one finds them loaded), and the result is the loop's on an
+# unsharded copy. In a
 # subprocess, so that this process's torch.distributed stays uninitialised for the other tests.
 FSDP_ON_GPU = """
 import copy, os, time, torch, torch.distributed as dist
@@ -1156,17 +1161,16 @@ dist.init_process_group("nccl")
 from torch.distributed.fsdp import fully_shard
 from deepmd_hybridmuon import HybridMuonOptimizer
 torch.manual_seed(0)
-def model():
-    return torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 16)
-    ).cuda()
+def model():  # weights on every path of the kernels: panels (64 x 600, Gram), one program, phased (200 x 160)
+    layers = [torch.nn.Linear(600, 64), torch.nn.Tanh(), torch.nn.Linear(64, 160), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(160, 200), torch.nn.Tanh(), torch.nn.Linear(200, 16)).cuda()
 def optimizer(net):
     return HybridMuonOptimizer(
         net.parameters(), lr=1e-2, weight_decay=0.01, magma_muon=True, named_parameters=net.named_parameters()
     )
 def step(net, opt, k, check=False):
     gen = torch.Generator().manual_seed(k)
-    net(torch.randn(8, 32, generator=gen).cuda()).square().sum().backward()
+    net(torch.randn(8, 600, generator=gen).cuda()).square().sum().backward()
     torch.cuda.synchronize()
     if check:
         torch.cuda.set_sync_debug_mode("error")
@@ -1195,6 +1199,7 @@ for (name, p), r, p0 in zip(net.named_parameters(), ref.parameters(), start):
     errors.append(float((moved - expected).norm() / expected.norm()))
     print(name, errors[-1], float((moved - expected).abs().max() / expected.abs().max()))
 row = opt.execution_table()[0]
+print(row["torch_matrices"])
 print(row["implementation"], row["kernels"], max(errors))
 dist.destroy_process_group()
 """
@@ -1212,8 +1217,9 @@ def test_fsdp2_on_a_gpu_runs_the_kernels_matches_the_loop_and_never_waits() -> N
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]  # sync debug mode "error" raises on a host wait
-    implementation, kernels, worst = run.stdout.split()[-3:]
-    assert (implementation, kernels) == ("fsdp2", "triton"), run.stdout
+    torch_matrices, last = run.stdout.splitlines()[-2:]
+    implementation, kernels, worst = last.split()
+    assert (implementation, kernels, torch_matrices) == ("fsdp2", "triton", "[]"), run.stdout
     # the owners' Triton launches against the loop's cuBLAS chain: test_parity's kernel tolerance,
     # on the norm of each parameter's change over the 4 steps, as test_parity measures it
     assert float(worst) <= 3e-2, run.stdout

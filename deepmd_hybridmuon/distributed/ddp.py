@@ -30,6 +30,7 @@ from .local import (
     _Segments,
     _wire_dtype,
     is_dtensor,
+    kernels_summary,
 )
 from .plan import Plan, _collective, _owned, build_plan
 
@@ -104,7 +105,7 @@ class DdpSplit:
             "owned_matrices": sum(sg.count for sg in self.groups),
             "ns_cost_per_rank": max(self.plan.load),
             "ns_cost_total": sum(self.plan.load),
-            "kernels": self.kernels.state if self.kernels is not None else "torch",
+            **kernels_summary(self.kernels, self.groups),
         }
 
 

@@ -54,6 +54,7 @@ from .local import (
     _orthogonalize_owned,
     _Segments,
     _wire_dtype,
+    kernels_summary,
 )
 from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan
 
@@ -247,10 +248,11 @@ def plan_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) -> tupl
 
 
 def summary_of(opt: HybridMuonOptimizer, index: int) -> dict[str, Any]:
-    """The ``execution_table`` row of FSDP2 param_group ``index``: ``kernels`` of its owners' Newton–Schulz."""
+    """The ``execution_table`` row of FSDP2 param_group ``index``: its owners' Newton–Schulz on this rank."""
     cache = opt.__dict__.get("_fsdp_plans", {}).get(index)
-    kernels = cache.exchange.kernels if cache is not None else None
-    return {"implementation": "fsdp2", "kernels": kernels.state if kernels is not None else "torch"}
+    if cache is None:
+        return {"implementation": "fsdp2", "kernels": "torch", "torch_matrices": []}
+    return {"implementation": "fsdp2", **kernels_summary(cache.exchange.kernels, cache.exchange.groups)}
 
 
 def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:

@@ -8,6 +8,7 @@ one flat concatenation; the owners' Newton–Schulz runs stacked by shape.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,13 +21,20 @@ if TYPE_CHECKING:
     from ..optimizer import HybridMuonOptimizer
 
 
-def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2-sharded tensor)."""
+@functools.cache
+def _dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor``, imported on first use; ``None`` for a torch built without distributed."""
     try:
         from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    except ImportError:
+        return None
+    return DTensor
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2-sharded tensor)."""
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -240,23 +248,26 @@ def _local_muon(
 
 
 class OwnedKernels:
-    """The engine's Triton kernel for a rank's owned matrices: one launch per path, one program per matrix.
+    """The engine's Triton kernels for a rank's owned matrices, on the engine's paths.
 
     An owned buffer (:func:`.plan._owned`'s layout) is a flat vector of whole matrices grouped
-    by shape, which is what ``kernels.orthogonalize_blocks`` reads: the engine's own grouping
-    (``engine.layout.assign``) gives each matrix its row of the metadata table (offset, sides,
-    orientation, block) and ``engine.layout.build_fused`` its tables, and each launch writes
-    ``factor * O`` of all its matrices straight into the output buffer. Matrices it does not
-    take (a smaller side over ``kernels.MAX_ROWS``, a path that streams panels) keep the torch
-    path, as do all of them until Triton has compiled the variants in the background
-    (``engine.compilation``), for good if one fails to compile, and for buffers of other
-    dtypes than the ones asked for. Built lazily, for the dtype and ``use_gram`` of the first call.
+    by shape, which is what the kernels read: the engine's own grouping
+    (``engine.layout.assign``) gives each matrix its row of a path's metadata table (offset,
+    sides, orientation, block), ``engine.layout.build_fused`` and ``build_phased`` build the
+    tables, and each launch writes ``factor * O`` of its matrices straight into the output
+    buffer: one program per matrix (``orthogonalize_blocks``, or ``orthogonalize_panels`` for
+    long Gram matrices) up to ``kernels.MAX_ROWS``, phased tiles up to
+    ``kernels.MAX_PHASED_ROWS``. Larger matrices keep the torch path, as do all of them until
+    Triton has compiled the variants in the background (``engine.compilation``), for good if one
+    fails to compile, and for buffers of other dtypes than the ones asked for. Built lazily,
+    for the dtype and ``use_gram`` of the first call.
     """
 
     def __init__(self, groups: list[_ShapeGroup], device: torch.device) -> None:
         self.groups, self.device = groups, device
         self.key: tuple[torch.dtype, bool] | None = None
         self.fused: list[Any] = []  # engine.layout.Fused, with their device tables
+        self.phased: list[Any] = []  # engine.layout.Phased, likewise
         self.covered: set[int] = set()  # indices of the groups the launches orthogonalise
         self.pending: Any = None  # the compilation asked for (None: none, or one failed)
         self.ready = False
@@ -267,25 +278,28 @@ class OwnedKernels:
 
     def _build(self, dtype: torch.dtype, use_gram: bool) -> None:
         from ..engine import compilation
-        from ..engine.layout import assign, build_fused
+        from ..engine.layout import assign, build_fused, build_phased
 
-        self.key, self.fused, self.covered, self.pending, self.ready = (dtype, use_gram), [], set(), None, False
+        self.key, self.fused, self.phased, self.covered = (dtype, use_gram), [], [], set()
+        self.pending, self.ready = None, False
         if not self.groups or not compilation.triton_runs_on(self.device):
             return
         K = self.K = compilation.kernels()
-        fused, _, _ = assign([(g.count, g.rows, g.cols) for g in self.groups], K, use_gram, self.device)
-        self.fused = [f for f in fused if not K.panelled(f.use_gram, f.rows, f.cols)]
+        self.fused, self.phased, _ = assign([(g.count, g.rows, g.cols) for g in self.groups], K, use_gram, self.device)
         for f in self.fused:
             build_fused(K, f, self.device)
+        for g in self.phased:
+            build_phased(K, g, len(self.phased), self.device)
         # A group (one shape) lies on one path: it is covered when its first block is.
         taken = {row[int(K.MetaColumn.BLOCK)] for f in self.fused for row in f.meta}
+        taken |= {m[-1] for g in self.phased for m in g.matrices}
         first = [sum(g.count for g in self.groups[:i]) for i in range(len(self.groups))]
         self.covered = {i for i, block in enumerate(first) if block in taken}
-        if self.fused:
+        if self.covered:
             self.pending = compilation.request(self.device, dtype, self._paths(), False)
 
     def _paths(self) -> list[tuple[bool, int, int]]:
-        return [(f.use_gram, f.rows, f.cols) for f in self.fused]
+        return [(f.use_gram, f.rows, f.cols) for f in self.fused] + [(g.use_gram, *g.shape) for g in self.phased]
 
     def _poll(self) -> None:
         """Switch to the launches once their compilation is over and none of them failed."""
@@ -303,6 +317,11 @@ class OwnedKernels:
         self._poll()
         return "triton" if self.ready else ("compiling" if self.pending is not None else "torch")
 
+    def torch_shapes(self) -> list[tuple[int, int]]:
+        """``(rows, cols)`` of the owned shapes the torch path orthogonalises, as of now."""
+        done = self.covered if self.state == "triton" else set()
+        return [(g.rows, g.cols) for i, g in enumerate(self.groups) if i not in done]
+
     def run(
         self, settings: F.GroupSettings, owned: torch.Tensor, damp: torch.Tensor | None, out: torch.Tensor
     ) -> set[int]:
@@ -314,6 +333,8 @@ class OwnedKernels:
         self._poll()
         if not self.ready:
             return set()
+        from ..engine.layout import run_phased
+
         scaling = (settings.lr_adjust, settings.lr_adjust_coeff)  # all functional.muon_scale reads
         if scaling != self._scaling or self._scale is None:  # the first step, or lr_adjust changed
             # filled on the device (no copy from the host, which would make it wait for the GPU)
@@ -323,9 +344,28 @@ class OwnedKernels:
             ]
             self._scaling, self._scale = scaling, torch.cat(fills)
         factor = self._scale if damp is None else self._scale * damp[self.ids].to(torch.float32)
+        K = self.K
+        for g in self.phased:
+            run_phased(K, g, owned, out, factor, last=False)
+            run_phased(K, g, owned, out, factor, last=True)
         for f in self.fused:
-            self.K.orthogonalize_blocks(owned, out, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram)
+            if f.panelled:
+                K.orthogonalize_panels(
+                    owned, out, f.work, f.table, f.panels, f.first, f.partial, f.q, f.inv, f.coefs, factor, f.rows
+                )
+            else:
+                K.orthogonalize_blocks(owned, out, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram)
         return self.covered
+
+
+def kernels_summary(kernels: OwnedKernels | None, groups: list[_ShapeGroup]) -> dict[str, Any]:
+    """The owners' part of an ``execution_table`` row: ``kernels`` and ``torch_matrices``.
+
+    ``torch_matrices``: ``(rows, cols)`` of each owned shape the torch path orthogonalises on this rank.
+    """
+    if kernels is None:
+        return {"kernels": "torch", "torch_matrices": [(g.rows, g.cols) for g in groups]}
+    return {"kernels": kernels.state, "torch_matrices": kernels.torch_shapes()}
 
 
 def _orthogonalize_owned(

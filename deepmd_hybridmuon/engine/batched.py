@@ -30,7 +30,7 @@ import torch
 
 from .. import functional as F
 from . import compilation
-from .layout import Layout, Phased
+from .layout import Layout, run_phased
 
 __all__ = ["SCALARS", "BatchedStep", "Lanes", "StepInputs"]
 
@@ -169,16 +169,8 @@ class BatchedStep:
                 stacks.append(F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack))
         for j, g in enumerate(L.phased_paths):
             with lanes.lane(len(L.buckets) + j):
-                self._phased(g, update, L.block_factor, last=False)
+                run_phased(self.K, g, update, L.muon_delta, L.block_factor, last=False)
         return grads, update, stacks
-
-    def _phased(self, g: Phased, update: torch.Tensor, factor: torch.Tensor, last: bool) -> None:
-        """All phases of ``g`` but the last (``last`` False), or the last one (the output)."""
-        n = self.K.phase_count(g.use_gram)
-        self.K.orthogonalize_phased(
-            update, self.layout.muon_delta, g.work, g.meta, g.shape, g.partial, g.coefs, factor,
-            g.counter, g.programs, g.use_gram, first=n - 1 if last else 0, stop=n if last else n - 1,
-        )  # fmt: skip
 
     def _muon(
         self,
@@ -232,7 +224,7 @@ class BatchedStep:
                     torch.mul(part, scale[boff : boff + bs], out=delta)
         for j, g in enumerate(L.phased_paths):
             with lanes.lane(len(L.buckets) + j):
-                self._phased(g, update, factor, last=True)
+                run_phased(K, g, update, L.muon_delta, factor, last=True)
         for f in L.fused_paths:
             if f.panelled:
                 K.orthogonalize_panels(

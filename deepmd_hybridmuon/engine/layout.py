@@ -173,6 +173,38 @@ def build_fused(K: ModuleType, f: Fused, device: torch.device) -> None:
         f.inv = torch.zeros(len(f.meta), dtype=torch.float32, **kw)
 
 
+def build_phased(K: ModuleType, g: Phased, groups: int, device: torch.device) -> None:
+    """Tables, workspaces and grid of one phased group (``groups`` of them may run at once), on ``device``.
+
+    Also used for the owners' matrices (``distributed.OwnedKernels``).
+    """
+    kw = {"device": device}
+    g.meta = torch.tensor(g.matrices, dtype=torch.int64, **kw)
+    tiles = len(g.matrices) * K.phased_tiles(*g.shape)  # the largest phase: one m x n tile each
+    g.partial = torch.zeros(tiles, dtype=torch.float32, **kw)
+    g.work = torch.zeros(K.phased_workspace(g.matrices, g.use_gram), dtype=K.work_dtype(g.use_gram), **kw)
+    g.coefs = K.coefficient_table(g.use_gram, device)
+    g.counter = torch.zeros(1, dtype=torch.int32, **kw)
+    g.programs = tiles
+    if device.type == "cuda":  # every program resident at once, with the other groups'
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        g.programs = max(1, min(g.programs, sms // groups))
+
+
+def run_phased(
+    K: ModuleType, g: Phased, src: torch.Tensor, dst: torch.Tensor, factor: torch.Tensor, last: bool
+) -> None:
+    """All phases of ``g`` but the last (``last`` False), or the last one, which writes ``factor * O``.
+
+    The two launches the registry compiles ahead (a launch of other phases would compile in-process).
+    """
+    n = K.phase_count(g.use_gram)
+    K.orthogonalize_phased(
+        src, dst, g.work, g.meta, g.shape, g.partial, g.coefs, factor, g.counter, g.programs, g.use_gram,
+        first=n - 1 if last else 0, stop=n if last else n - 1,
+    )  # fmt: skip
+
+
 class Layout:
     """Flat buffers, state views and path tables of one param_group.
 
@@ -288,7 +320,7 @@ class Layout:
             build_fused(K, f, self.device)
         self.fused_paths = fused
         for g in phased:
-            self._build_phased(K, g, len(phased))
+            build_phased(K, g, len(phased), self.device)
         self.phased_paths = phased
         self.triton = K is not None  # also copies the gradients in and applies the updates
         self.magma_kernel = self.triton and self.magma
@@ -316,20 +348,6 @@ class Layout:
         self.betas_t = torch.tensor([self.beta, 1.0 - self.beta], dtype=self.dtype, **kw)
         self.update = torch.zeros_like(self.momentum)
         self.param_addresses = torch.tensor([p.data_ptr() for p in self.staged], dtype=torch.int64, **kw)
-
-    def _build_phased(self, K: Any, g: Phased, groups: int) -> None:
-        """Tables, workspaces and grid of one phased group (``groups`` of them may run at once)."""
-        kw = {"device": self.device}
-        g.meta = torch.tensor(g.matrices, dtype=torch.int64, **kw)
-        tiles = len(g.matrices) * K.phased_tiles(*g.shape)  # the largest phase: one m x n tile each
-        g.partial = torch.zeros(tiles, dtype=torch.float32, **kw)
-        g.work = torch.zeros(K.phased_workspace(g.matrices, g.use_gram), dtype=K.work_dtype(g.use_gram), **kw)
-        g.coefs = K.coefficient_table(g.use_gram, self.device)
-        g.counter = torch.zeros(1, dtype=torch.int32, **kw)
-        g.programs = tiles
-        if self.device.type == "cuda":  # every program resident at once, with the other groups'
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            g.programs = max(1, min(g.programs, sms // groups))
 
     def _build_bucket(self, b: Bucket) -> None:
         """Index maps into and out of a torch bucket's zero-padded stack, and the stack."""
