@@ -21,6 +21,7 @@ Usage::
 
     python benchmarks/multi_gpu.py dpa2_small_water dpa3_water dpa4_water --gpus 2 --steps 80 --json out.json
     python benchmarks/multi_gpu.py dpa2_small_water --variants ours --stages 0,1 --single   # plus a 1-GPU run
+    python benchmarks/multi_gpu.py dpa4_water --stages 0,2,3,1 --no-ema   # DPA-4 at every stage (EMA off)
 """
 
 from __future__ import annotations
@@ -189,6 +190,11 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/multi_gpu"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--no-ema",
+        action="store_true",
+        help="training.enable_ema false in every run (deepmd refuses EMA at zero_stage 2 and 3; DPA-4's input has it)",
+    )
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     if bad := [v for v in variants if v not in VARIANTS]:
@@ -204,6 +210,7 @@ def main() -> int:
         "steps": args.steps,
         "disp_freq": disp,
         "stages": stages,
+        "enable_ema_off": args.no_ema,
         "configs": {},
     }
     flip = False
@@ -227,6 +234,8 @@ def main() -> int:
             steps = 1 if label == "warmup" else args.steps
             cfg = timing_input(base, path, variant, steps=steps, disp_freq=disp, stat_file=stat, opt_kw={})
             cfg["training"]["zero_stage"] = stage
+            if args.no_ema:
+                cfg["training"]["enable_ema"] = False
             print(f"[{path.stem} {label}] {utc_now()}", flush=True)
             per["order"].append(label)
             run = per["runs"][label] = _run(args.workdir / path.stem / label, cfg, variant, gpus, args)
