@@ -91,7 +91,9 @@ def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argpa
     env = {**prepare_run(rundir, cfg, variant == "builtin"), **NO_MULTICAST_ENV, "STEP_TIMES_DIR": "step_times"}
     if rundir.name == "warmup":
         env["WAIT_FOR_KERNELS"] = "180"
-    launch = ["torchrun", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 else [sys.executable]
+    # torchrun also for one GPU at stages 1-3 (deepmd shards only in a process group)
+    sharded = gpus > 1 or cfg["training"].get("zero_stage", 0) > 0
+    launch = ["torchrun", "--standalone", f"--nproc_per_node={gpus}"] if sharded else [sys.executable]
     cmd = [*launch, str(TIMED_DP), "--pt", "train", "input.json"]
     t0 = time.perf_counter()
     try:
