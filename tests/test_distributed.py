@@ -1131,6 +1131,20 @@ def test_plugin_passes_ddp_split_auto_at_stage_0(run: _Run) -> None:
         assert run.result("ddp", rank)["plugin_ddp_split"] == {0: "auto", 1: "off"}
 
 
+def test_flat_and_write_back_round_trip_empty_and_transposed_tensors() -> None:
+    """The local step's flatten and its inverse: empty shards (0 rows) and non-contiguous targets included."""
+    from deepmd_hybridmuon.distributed.local import _flat, _write_back
+
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(2, 3, generator=gen), torch.randn(0, 3), torch.randn(4, 5, generator=gen).T]
+    targets = [torch.zeros(2, 3), torch.zeros(0, 3), torch.zeros(4, 5).T]
+    flat = _flat(sources)
+    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in sources]))
+    _write_back(targets, flat)
+    for got, want in zip(targets, sources, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_magma_segment_sums_span_several_blocks() -> None:
     """Magma's per-matrix sums over segments longer than one block (two passes), empty ones, any order."""
     from deepmd_hybridmuon.distributed.local import SEGMENT_BLOCK, _Segments
