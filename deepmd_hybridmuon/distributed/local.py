@@ -291,8 +291,8 @@ class OwnedKernels:
         self.fused, self.phased, _ = assign([(g.count, g.rows, g.cols) for g in self.groups], K, use_gram, self.device)
         for f in self.fused:
             build_fused(K, f, self.device)
-        for g in self.phased:
-            build_phased(K, g, len(self.phased), self.device)
+        for g in self.phased:  # one after another on one stream (the engine runs them side by side): all SMs each
+            build_phased(K, g, 1, self.device)
         # A group (one shape) lies on one path: it is covered when its first block is.
         taken = {row[int(K.MetaColumn.BLOCK)] for f in self.fused for row in f.meta}
         taken |= {m[-1] for g in self.phased for m in g.matrices}
