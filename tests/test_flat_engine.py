@@ -194,3 +194,53 @@ def test_step_does_not_synchronise_inside_deepmds_device_context():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert all(torch.isfinite(p).all() for p in params.values())
+
+
+def test_step_leaves_a_device_context_but_keeps_other_torch_function_modes():
+    """``step()`` runs outside deepmd's ``with torch.device(...)`` (a torch function mode that every
+    torch call would pay for), with the same result; another mode on the stack (a user's) keeps it.
+    """
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._device import DeviceContext
+
+    class CountingDevice(DeviceContext):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            CountingDevice.calls += 1
+            return super().__torch_function__(func, types, args, kwargs)
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    results = []
+    for mode in (None, "device", "device+user"):
+        params = _params(torch.float32, "cpu")
+        opt = HybridMuonOptimizer(list(params.values()), named_parameters=params.items(), lr=1e-2)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            for p in params.values():
+                p.grad = torch.randn(p.shape, generator=gen)
+            if mode is None:
+                opt.step()
+                continue
+            with CountingDevice("cpu"):
+                before = CountingDevice.calls
+                if mode == "device":
+                    opt.step()
+                    # torch's step wrapper (no_grad, the profiler's record_function) calls a few torch
+                    # functions before the step pops the mode; the step itself makes hundreds
+                    assert CountingDevice.calls - before < 10, CountingDevice.calls - before
+                else:
+                    with Counting():
+                        opt.step()
+        if mode == "device+user":
+            assert Counting.calls > 3 * 100, Counting.calls  # the user's mode saw every call of the steps
+        results.append({n: p.detach().clone() for n, p in params.items()})
+    for other in results[1:]:
+        for name, value in results[0].items():
+            assert torch.equal(other[name], value), name
