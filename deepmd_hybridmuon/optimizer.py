@@ -68,18 +68,23 @@ def _outside_device_context() -> Iterator[None]:
     an H100 in ``dp``). Every tensor the step creates names its device, so the mode only costs
     time; it is popped for the step when it is the only mode (other modes, a user's, stay).
     """
-    try:
-        from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
-        from torch.utils._device import DeviceContext
-    except ImportError:  # another torch: keep the mode
+    if _DeviceContext is None:  # another torch: keep the mode
         yield
         return
-    stack = _get_current_function_mode_stack()
-    if len(stack) == 1 and isinstance(stack[0], DeviceContext):
-        with _pop_mode_temporarily():
+    stack = _function_modes()
+    if len(stack) == 1 and isinstance(stack[0], _DeviceContext):
+        with _pop_function_mode():
             yield
     else:
         yield
+
+
+try:  # torch's own names for its mode stack (bound here once: both modules are part of torch's import)
+    from torch.overrides import _get_current_function_mode_stack as _function_modes
+    from torch.overrides import _pop_mode_temporarily as _pop_function_mode
+    from torch.utils._device import DeviceContext as _DeviceContext
+except ImportError:
+    _DeviceContext = None
 
 
 def _is_real(x: Any) -> bool:

@@ -23,9 +23,7 @@ import torch
 from .local import (
     OwnedKernels,
     _apply_delta,
-    _local_adam,
-    _local_inputs,
-    _local_muon,
+    _local_elementwise,
     _orthogonalize_owned,
     _Segments,
     _wire_dtype,
@@ -70,7 +68,7 @@ class DdpSplit:
     the Muon buffer, its position in the gathered one.
     """
 
-    def __init__(self, plan: Plan, rank: int, device: torch.device, flash_muon: bool = True) -> None:
+    def __init__(self, plan: Plan, rank: int, device: torch.device, flash_muon: bool) -> None:
         self.plan, self.rank = plan, rank
         muon = plan.muon
         starts, total = [], 0
@@ -167,20 +165,12 @@ def ddp_step_group(
     import torch.distributed as dist
 
     plan = split.plan
-    active = [group["params"][p.index] for p in plan.params]
-    grads = {id(p): opt._grad_of(p) for p in active}
-
-    # 1. The finite gate: the gradients are the same on every rank (DDP all-reduced them), so is the gate.
-    inputs = _local_inputs(opt, group, plan, grads, active[0].device)
-    assert inputs.muon_grad is not None  # a split exists only for groups with Muon matrices
-    ok = inputs.ok if shared is None else torch.minimum(inputs.ok, shared.to(inputs.ok.device))
-
-    # 2. Adam and AdamW, momentum, decay and Magma: on the whole tensors, as one process.
-    settings = inputs.settings
-    _local_adam(opt, settings, inputs.buckets, ok)
-    locals_, flat_p, update, damp = _local_muon(
-        opt, settings, plan, inputs.muon, grads, inputs.muon_grad, ok, split.segments, None
-    )
+    # 1-2. The gate (the gradients are the same on every rank, DDP all-reduced them: so is the
+    # gate), Adam routes, momentum, decay and Magma: on the whole tensors, as one process.
+    device = group["params"][plan.params[0].index].device
+    settings, ok, muon = _local_elementwise(opt, group, plan, device, shared, None, split.segments, None)
+    assert muon is not None  # a split exists only for groups with Muon matrices
+    locals_, flat_p, update, damp = muon
 
     # 3. Newton–Schulz of the owned matrices; one all-gather of every rank's deltas (padded
     # to the largest rank's size: a rank owning nothing sends padding).

@@ -48,9 +48,7 @@ import torch
 from .local import (
     OwnedKernels,
     _apply_delta,
-    _local_adam,
-    _local_inputs,
-    _local_muon,
+    _local_elementwise,
     _orthogonalize_owned,
     _Segments,
     _wire_dtype,
@@ -73,7 +71,7 @@ class _Exchange:
     ``gather`` reassembles its matrices, grouped by shape.
     """
 
-    def __init__(self, plan: Plan, rank: int, device: torch.device, flash_muon: bool = True) -> None:
+    def __init__(self, plan: Plan, rank: int, device: torch.device, flash_muon: bool) -> None:
         world = plan.world
         muon = plan.muon
         # Pieces of every rank: (src, k, j, start in the matrix, length, offset in src's local buffer).
@@ -267,30 +265,21 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
     if mesh is None:
         return  # only size-0 parameters: nothing to shard, nothing to step
     device = torch.device(mesh.device_type)
-    active = [group["params"][p.index] for p in plan.params]
-    grads = {id(p): opt._grad_of(p) for p in active}
-
-    # 1. The finite gate of the local gradients: one all-reduce (min) per mesh dimension, on every rank.
-    inputs = _local_inputs(opt, group, plan, grads, device)
-    ok = inputs.ok if shared is None else torch.minimum(inputs.ok, shared.to(device))
-    for d in range(mesh.ndim):
-        _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
-
-    # 2. Adam and AdamW: elementwise on the local shards.
-    settings = inputs.settings
-    _local_adam(opt, settings, inputs.buckets, ok)
-
-    # 3. Muon: momentum, decay and Magma on the shards; Newton–Schulz on the owners.
-    if inputs.muon_grad is None:
-        return
     pg = mesh.get_group(shard_dim)
+
+    def agree(ok: torch.Tensor) -> None:  # the finite gate: one all-reduce (min) per mesh dimension
+        for d in range(mesh.ndim):
+            _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
 
     def reduce(sums: torch.Tensor) -> None:  # Magma: whole-matrix sums from the shards' partial sums
         _collective("all_reduce", (sums.numel(),), dist.all_reduce, sums, op=dist.ReduceOp.SUM, group=pg)
 
-    locals_, flat_p, update, damp = _local_muon(
-        opt, settings, plan, inputs.muon, grads, inputs.muon_grad, ok, ex.segments, reduce
-    )
+    # 1-2. The gate, Adam routes, momentum, decay and Magma: elementwise on the local shards.
+    settings, ok, muon = _local_elementwise(opt, group, plan, device, shared, agree, ex.segments, reduce)
+    if muon is None:
+        return
+    # 3. Newton–Schulz on the owners: the shards travel there and the updates back.
+    locals_, flat_p, update, damp = muon
     work = update.dtype
     wire = _wire_dtype(work)
     owned = to_owners(ex, update.to(wire), pg).to(work)

@@ -250,6 +250,36 @@ def _local_muon(
     return locals_, flat_p, update, damp
 
 
+def _local_elementwise(
+    opt: HybridMuonOptimizer,
+    group: dict[str, Any],
+    plan: Plan,
+    device: torch.device,
+    shared: torch.Tensor | None,
+    agree: Callable[[torch.Tensor], Any] | None,
+    segments: _Segments,
+    reduce: Callable[[torch.Tensor], Any] | None,
+) -> tuple[F.GroupSettings, torch.Tensor, tuple[Any, ...] | None]:
+    """The elementwise half of both distributed steps, on this rank's local tensors.
+
+    The finite gate (with ``shared``, the flag already agreed by ``nonfinite_across_ranks``;
+    ``agree`` makes the ranks agree on it in place, FSDP2's all-reduces), the Adam routes, then
+    the Muon momentum, decay and Magma (``segments``, ``reduce``: :func:`_local_muon`). Returns
+    the group's settings, the gate and :func:`_local_muon`'s result (``None`` without Muon matrices).
+    """
+    active = [group["params"][layout.index] for layout in plan.params]
+    grads = {id(p): opt._grad_of(p) for p in active}
+    inputs = _local_inputs(opt, group, plan, grads, device)
+    ok = inputs.ok if shared is None else torch.minimum(inputs.ok, shared.to(device))
+    if agree is not None:
+        agree(ok)
+    _local_adam(opt, inputs.settings, inputs.buckets, ok)
+    if inputs.muon_grad is None:
+        return inputs.settings, ok, None
+    muon = _local_muon(opt, inputs.settings, plan, inputs.muon, grads, inputs.muon_grad, ok, segments, reduce)
+    return inputs.settings, ok, muon
+
+
 class OwnedKernels:
     """The engine's Triton kernels for a rank's owned matrices, on the engine's paths.
 
