@@ -577,7 +577,7 @@ class HybridMuonOptimizer(Optimizer):
 
     def _step_group(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
         settings = F.GroupSettings.of(group)
-        muon: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]] = []
+        muon: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], torch.Tensor]] = []
         active = [p for p in group["params"] if p.grad is not None and p.numel() > 0]
         if not active:
             return
@@ -586,15 +586,18 @@ class HybridMuonOptimizer(Optimizer):
             ok = shared.to(grads[0].device)
         else:
             ok = F.finite_gate(grads)
+        gates = {ok.device: ok}  # the one gate, copied to each device the group's parameters live on
         for p, grad in zip(active, grads, strict=True):
+            if grad.device not in gates:
+                gates[grad.device] = ok.to(grad.device)
             route = self.route_of(p, group)
             if route.route == "muon":
                 assert route.view is not None  # route_parameter gives a view for every Muon route
-                muon.append((p, grad, route.view))
+                muon.append((p, grad, route.view, gates[grad.device]))
                 continue
-            self._adam(p, grad, settings, settings.adam_decay(route.route), ok)
+            self._adam(p, grad, settings, settings.adam_decay(route.route), gates[grad.device])
         if muon:
-            self._muon(settings, muon, ok)
+            self._muon(settings, muon)
 
     @staticmethod
     def _grad_of(p: torch.Tensor) -> torch.Tensor:
@@ -658,13 +661,15 @@ class HybridMuonOptimizer(Optimizer):
     def _muon(
         self,
         settings: F.GroupSettings,
-        entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]],
-        ok: torch.Tensor,
+        entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], torch.Tensor]],
     ) -> None:
-        """Muon, one parameter at a time (parameters are independent; one full matrix alive at a time)."""
+        """Muon, one parameter at a time (parameters are independent; one full matrix alive at a time).
+
+        ``entries``: parameter, gradient, ``(batch, rows, cols)`` view and the finite gate on the parameter's device.
+        """
         lr, wd = settings.lr, settings.weight_decay
 
-        for p, grad, (bs, rows, cols) in entries:
+        for p, grad, (bs, rows, cols), ok in entries:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(grad)

@@ -70,3 +70,44 @@ def test_engine_and_loop_agree_across_a_skipped_step():
     for k in SHAPES:
         # same tolerance as tests/test_parity.py (bf16 rounding of the scale product)
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-2, atol=1e-4, msg=k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_group_on_the_cpu_and_a_gpu_steps_each_part_as_alone_and_skips_together():
+    """One gate for a group whose parameters span devices (the loop runs it; the engine takes one device).
+
+    A finite step equals two optimizers, one per device (same loop arithmetic on the same
+    devices: bitwise); a NaN in the CPU part leaves the GPU part unchanged too.
+    """
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"cpu.w": ("cpu", (6, 4)), "cpu.b": ("cpu", (4,)), "gpu.w": ("cuda", (8, 5)), "gpu.b": ("cuda", (5,))}
+    start = {k: (d, torch.randn(s, generator=gen)) for k, (d, s) in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen) for k, (_, s) in shapes.items()} for _ in range(3)]
+
+    def params(keys):
+        return {k: torch.nn.Parameter(start[k][1].to(start[k][0])) for k in keys}
+
+    mixed = params(shapes)
+    parts = [params([k for k in shapes if k.startswith(d)]) for d in ("cpu", "gpu")]
+    # the mixed group asks for the engine and gets the loop; the parts run the loop
+    optimizers = [
+        make_optimizer(list(ps.values()), impl, lr=1e-2, named_parameters=ps.items())
+        for ps, impl in zip([mixed, *parts], ["engine", "loop", "loop"], strict=True)
+    ]
+    for step in grads:
+        for ps, opt in zip([mixed, *parts], optimizers, strict=True):
+            for k, p in ps.items():
+                p.grad = step[k].to(p.device)
+            opt.step()
+    assert optimizers[0].execution_table()[0]["implementation"] == "loop"
+    for ps in parts:
+        for k, p in ps.items():
+            assert torch.equal(mixed[k].detach(), p.detach()), k
+
+    before = {k: p.detach().clone() for k, p in mixed.items()}
+    for k, p in mixed.items():
+        p.grad = grads[0][k].to(p.device)
+    mixed["cpu.w"].grad[1, 2] = float("nan")
+    optimizers[0].step()
+    for k, p in mixed.items():
+        assert torch.equal(p.detach(), before[k]), k
