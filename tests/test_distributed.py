@@ -1196,7 +1196,21 @@ def test_magma_segment_sums_span_several_blocks() -> None:
 # compilation, so the measured one finds them loaded), and the result is the loop's on an
 # unsharded copy. In a
 # subprocess, so that this process's torch.distributed stays uninitialised for the other tests.
-FSDP_ON_GPU = """
+#: The GPU scripts' model and optimizer (no braces: FSDP_ON_GPU is a ``str.format`` template).
+GPU_MODEL = """
+torch.manual_seed(0)
+def model():  # weights on every path of the kernels: panels (64 x 600, Gram), one program, two phased groups
+    layers = [torch.nn.Linear(600, 64), torch.nn.Tanh(), torch.nn.Linear(64, 160), torch.nn.Tanh()]
+    layers += [torch.nn.Linear(160, 200), torch.nn.Tanh(), torch.nn.Linear(200, 240), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(240, 16)).cuda()
+def optimizer(net, **options):
+    return HybridMuonOptimizer(
+        net.parameters(), lr=1e-2, weight_decay=0.01, magma_muon=True, named_parameters=net.named_parameters(),
+        **options
+    )
+"""
+FSDP_ON_GPU = (
+    """
 import copy, os, time, torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
 torch.cuda.set_device(0)
@@ -1204,15 +1218,9 @@ dist.init_process_group("nccl")
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 from deepmd_hybridmuon import HybridMuonOptimizer
-torch.manual_seed(0)
-def model():  # weights on every path of the kernels: panels (64 x 600, Gram), one program, two phased groups
-    layers = [torch.nn.Linear(600, 64), torch.nn.Tanh(), torch.nn.Linear(64, 160), torch.nn.Tanh()]
-    layers += [torch.nn.Linear(160, 200), torch.nn.Tanh(), torch.nn.Linear(200, 240), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(240, 16)).cuda()
-def optimizer(net):
-    return HybridMuonOptimizer(
-        net.parameters(), lr=1e-2, weight_decay=0.01, magma_muon=True, named_parameters=net.named_parameters()
-    )
+"""
+    + GPU_MODEL
+    + """
 def step(net, opt, k, check=False):  # the same seeded gradients for every model: no feedback of the parameters
     gen = torch.Generator().manual_seed(k)
     for p in net.parameters():
@@ -1251,6 +1259,7 @@ print(row["torch_matrices"])
 print(row["implementation"], row["kernels"], max(errors))
 dist.destroy_process_group()
 """
+)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -1272,6 +1281,75 @@ def test_fsdp2_on_a_gpu_runs_the_kernels_matches_the_loop_and_never_waits() -> N
     # on the norm of each parameter's change over the 4 steps, as test_parity measures it
     # (measured on an H100, 2026-11-24: 4.9e-3, the phased 200 x 160 weight, before 240 x 200 joined; Adam routes 0.0)
     assert float(worst) <= 3e-2, run.stdout
+
+
+# The DDP split on a GPU with two ranks: NCCL cannot put two ranks on one GPU, gloo can (it
+# stages CUDA tensors through the host). Each rank runs the script; the owners' Triton launches
+# are compiled after the first step (both ranks take the same steps whatever their kernels'
+# state: the collectives do not depend on it).
+DDP_ON_ONE_GPU = (
+    """
+import copy, sys, torch, torch.distributed as dist
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+torch.cuda.set_device(0)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+from deepmd_hybridmuon import HybridMuonOptimizer, kernels
+"""
+    + GPU_MODEL
+    + """
+def step(net, opt, k):  # the same seeded gradients on both ranks, as after DDP's all-reduce
+    gen = torch.Generator().manual_seed(k)
+    for p in net.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).cuda()
+    opt.step()
+    opt.zero_grad()
+net = model()
+ref = copy.deepcopy(net)
+start = [p.detach().clone() for p in net.parameters()]
+opt, ref_opt = optimizer(net, ddp_split="always"), optimizer(ref)
+ref_opt._implementation = "loop"
+for k in range(5):
+    step(net, opt, k)
+    step(ref, ref_opt, k)
+    if k == 0:
+        kernels.wait_ready(240)  # the next step loads the compiled variants
+ends = [None, None]
+dist.all_gather_object(ends, [p.detach().cpu() for p in net.parameters()])
+errors = []
+for p, r, p0 in zip(net.parameters(), ref.parameters(), start):
+    moved, expected = p.detach() - p0, r.detach() - p0
+    errors.append(float((moved - expected).norm() / expected.norm()))
+row = opt.execution_table()[0]
+print(all(torch.equal(a, b) for a, b in zip(*ends)), row["torch_matrices"])
+print(row["implementation"], row["kernels"], row["owned_matrices"], max(errors))
+dist.destroy_process_group()
+"""
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ddp_split_on_a_gpu_runs_the_kernels_keeps_replicas_identical_and_matches_the_loop(tmp_path: Path) -> None:
+    import subprocess
+
+    script = tmp_path / "ddp_on_one_gpu.py"
+    script.write_text(DDP_ON_ONE_GPU)
+    port = str(_free_port())
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(rank), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for rank in range(2)
+    ]
+    outs = [rank.communicate(timeout=400) for rank in ranks]
+    for rank, (_, err) in zip(ranks, outs, strict=True):
+        assert rank.returncode == 0, err.decode()[-3000:]
+    for out, _ in outs:
+        identical, torch_matrices = out.decode().splitlines()[-2].split(" ", 1)
+        implementation, kernels, owned, worst = out.decode().splitlines()[-1].split()
+        assert (identical, torch_matrices) == ("True", "[]"), out.decode()
+        assert (implementation, kernels) == ("ddp-split", "triton"), out.decode()
+        assert int(owned) > 0  # 5 matrices on 2 ranks: each owns some
+        # the owners' Triton launches against the loop's cuBLAS chain: test_parity's kernel
+        # tolerance, on the norm of each parameter's change over the 5 steps
+        assert float(worst) <= 3e-2, out.decode()
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or OWNERS_KERNELS == "triton", reason="runs the selection interpreted")
