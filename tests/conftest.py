@@ -28,6 +28,13 @@ import torch
 from deepmd_hybridmuon import HybridMuonOptimizer
 from deepmd_hybridmuon.optimizer import IMPLEMENTATIONS
 
+# deepmd's models, and the ``dp`` runs the tests start, run on the CPU also on a machine with a
+# GPU, as on the CI: the distributed tests' gloo ranks and their single-process references
+# compare CPU results, and the expected log lines are the CPU's. deepmd reads ``DEVICE`` once,
+# when it is first imported (below, by the tests' models). The GPU tests put their own tensors
+# on the GPU.
+os.environ.setdefault("DEVICE", "cpu")
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 #: What our plugin logs (once per run) when deepmd's trainer builds our optimizer.
 OURS_LOG_LINE = "optimizer: deepmd-hybridmuon"
