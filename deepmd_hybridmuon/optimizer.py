@@ -582,10 +582,8 @@ class HybridMuonOptimizer(Optimizer):
         if not active:
             return
         grads = [self._grad_of(p) for p in active]
-        if shared is not None:  # already agreed across ranks (nonfinite_across_ranks)
-            ok = shared.to(grads[0].device)
-        else:
-            ok = F.finite_gate(grads)
+        # ``shared``: already agreed across ranks (nonfinite_across_ranks)
+        ok = shared if shared is not None else F.finite_gate(grads)
         gates = {ok.device: ok}  # the one gate, copied to each device the group's parameters live on
         for p, grad in zip(active, grads, strict=True):
             if grad.device not in gates:
