@@ -42,10 +42,15 @@ def test_interpreter_exits_cleanly_while_a_compile_is_in_flight(tmp_path, worker
     script = textwrap.dedent(
         f"""
         import sys, threading, time
+        from pathlib import Path
         import torch
         from deepmd_hybridmuon import kernels as K
 
-        K.registry = K.KernelRegistry(worker=[sys.executable, "-c", {worker!r}, {str(marker)!r}])
+        # An empty ledger: on a GPU machine the real variants may already be in Triton's cache,
+        # which would load them in-process and start no (stand-in) compile process at all.
+        K.registry = K.KernelRegistry(
+            worker=[sys.executable, "-c", {worker!r}, {str(marker)!r}], ledger=Path({str(tmp_path / "ledger")!r})
+        )
         pending = K.prepare(torch.device("cuda", 0), torch.float32, {PATHS!r}, magma=True)
         deadline = time.monotonic() + 60
         while not __import__("os").path.exists({str(marker)!r}) and time.monotonic() < deadline:
