@@ -240,6 +240,32 @@ def test_triton_engine_reads_non_contiguous_gradients(kernels):
     assert err < KERNEL_MUON_TOL, err
 
 
+@pytest.mark.parametrize("impl", ["engine-eager", "engine"])  # "engine": captured in a CUDA graph on a GPU
+def test_triton_engine_follows_a_parameter_given_new_storage(kernels, impl):
+    """``p.data = ...`` between steps (``module.half()``, an EMA swap): the new storage moves, the old does not."""
+    _, device = kernels
+    moved, old_moved = [], []
+    for implementation in (impl, "loop"):
+        gen = torch.Generator().manual_seed(7)
+        w = torch.nn.Parameter(torch.randn(24, 40, generator=gen).to(device))
+        b = torch.nn.Parameter(torch.randn(40, generator=gen).to(device))
+        opt = make_optimizer([w, b], implementation, lr=1e-2, named_parameters=[("w", w), ("b", b)])
+        start = w.detach().clone()
+        for step in range(5):
+            if step == 3:  # after the capture (the third step) on a GPU
+                old = w.data
+                w.data = w.data.clone()
+                old_before = old.clone()
+            w.grad = torch.randn(24, 40, generator=gen).to(device)
+            b.grad = torch.randn(40, generator=gen).to(device)
+            opt.step()
+        moved.append(w.detach() - start)
+        old_moved.append((old - old_before).abs().max().item())
+    assert old_moved == [0.0, 0.0]
+    err = ((moved[0] - moved[1]).norm() / moved[1].norm()).item()
+    assert err < KERNEL_MUON_TOL, err
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_triton_engine_skips_a_non_finite_step(kernels, bad):
     """The gradient copy flags the non-finite span; nothing moves: parameters, moments, momentum, Magma."""

@@ -58,6 +58,8 @@ class GroupEngine:
         params, active_routes = [p for p, _ in active], [r for _, r in active]
         kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon)
         self.layout = Layout(params, active_routes, state, group, kernels)
+        # The Triton launches and a captured graph write through these addresses.
+        self.storage = [p.data_ptr() for p in self.layout.staged]
         self.shared_gate = shared_gate
         self.batched = BatchedStep(self.layout, StepInputs(self.layout), shared_gate)
         self.executor = Executor(self.batched, cuda_graph)
@@ -94,13 +96,21 @@ class GroupEngine:
         return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
 
     def matches(self, group: dict[str, Any]) -> bool:
-        """The same parameters as at build, with gradients on exactly the same ones (no side effect)."""
+        """The same parameters as at build, in the same storage, with gradients on exactly the same ones.
+
+        A parameter's storage changes with ``p.data = ...`` (e.g. ``module.half()`` after the
+        optimizer was built); the engine would otherwise go on writing to the old memory.
+        """
         params = group["params"]
         if len(params) != len(self.group_params) or any(
             a is not b for a, b in zip(params, self.group_params, strict=True)
         ):
             return False
-        return all(p.grad is not None for p in self.layout.staged) and all(p.grad is None for p in self.gradless)
+        staged = self.layout.staged
+        return (
+            all(p.grad is not None and p.data_ptr() == ptr for p, ptr in zip(staged, self.storage, strict=True))
+            and all(p.grad is None for p in self.gradless)
+        )
 
     @property
     def outdated(self) -> bool:
