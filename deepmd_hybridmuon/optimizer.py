@@ -309,7 +309,6 @@ class HybridMuonOptimizer(Optimizer):
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
         self._engines: dict[int, GroupEngine] = {}
-        self._said_loop = False  # logged that the engine handed a step to the loop
         super().__init__(params, defaults)
         if named_parameters is not None:
             self.set_param_names(named_parameters)
@@ -460,14 +459,10 @@ class HybridMuonOptimizer(Optimizer):
                 continue
             self._ddp_ran.pop(index, None)
             engine = self._engine(index, group)
-            if engine is None or not engine.step(group, shared):
-                if engine is not None and not self._said_loop:
-                    self._said_loop = True
-                    log.info(
-                        "flat engine: Adam-routed parameters are at different step counts (some had no "
-                        "gradient in earlier steps); the per-parameter loop runs such steps"
-                    )
+            if engine is None:
                 self._step_group(group, shared)
+            else:
+                engine.step(group, shared)
 
     def _gate_all_ranks(self) -> torch.Tensor:
         """The finite gate of this rank's gradients, all-reduced (minimum) over the default group.
@@ -546,8 +541,7 @@ class HybridMuonOptimizer(Optimizer):
     def execution_table(self) -> list[dict[str, Any]]:
         """How steps run, one row per param_group, as of the last step.
 
-        ``implementation``: ``"engine"`` (the flat engine; it hands a step to the loop when
-        Adam parameters are at different step counts, logged once), ``"ddp-split"`` (the
+        ``implementation``: ``"engine"`` (the flat engine), ``"ddp-split"`` (the
         Newton–Schulz work split across DDP replicas, ``ddp_split``; also ``world``,
         ``matrices``, ``owned_matrices`` by this rank, ``ns_cost_per_rank`` and
         ``ns_cost_total`` in :func:`deepmd_hybridmuon.distributed.ns_cost` units), ``"fsdp2"``

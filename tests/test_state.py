@@ -285,14 +285,14 @@ def test_size0_frozen_and_gradless_parameters_are_skipped(implementation: str, f
     other_bias = next(p for n, p in named if n.endswith(".bias") and n not in late | frozen)
     assert opt.state[late_bias]["beta1_pow"] == pytest.approx(0.9**3, rel=1e-12)
     assert opt.state[other_bias]["beta1_pow"] == pytest.approx(0.9**5, rel=1e-12)
-    # The engine was built (parameters without a gradient are left out of it; steps in which
-    # Adam parameters are at different step counts go to the loop).
+    # The engine ran (parameters without a gradient are left out of it; Adam parameters at
+    # different step counts keep their own bias corrections in it).
     assert opt.execution_table()[0]["implementation"] == implementation
 
 
 def test_engine_and_loop_agree_with_awkward_parameters() -> None:
-    # The default engine leaves out parameters that lack a gradient in a step and hands
-    # steps with Adam parameters at different step counts to the loop; the
+    # The default engine leaves out parameters that lack a gradient in a step and steps
+    # Adam parameters at different step counts each with its own bias corrections; the
     # trajectory must still match the loop within the engine-vs-loop tolerance of
     # test_parity_builtin.
     named_e, _, late, opt_e = _awkward_setup("engine", freeze=False)

@@ -34,24 +34,26 @@ from .layout import Layout, run_phased
 
 __all__ = ["SCALARS", "BatchedStep", "Lanes", "StepInputs"]
 
-#: The step's learning-rate dependent scalars: Muon decay, -lr, AdamW decay, -Adam step size, bias correction 2.
-SCALARS = 5
+#: The step's scalars shared by the whole group: Muon decay, -lr, AdamW decay. Two per Adam parameter follow
+#: them (its -step size, then its second bias correction): each keeps its own step count, as in the loop.
+SCALARS = 3
 
 
 class StepInputs:
     """The device tensors through which a step's changing inputs reach :meth:`BatchedStep.compute`.
 
     Allocated once per engine (a captured graph reads them at fixed addresses):
-    ``staged`` is one int64 buffer holding the :data:`SCALARS` float64 scalars (``scalars``)
-    and, with the Triton kernels, the gradients' addresses (``addresses``); ``ok`` is the
-    finite gate agreed across ranks (used with ``nonfinite_across_ranks`` only).
+    ``staged`` is one int64 buffer holding the float64 scalars of :meth:`BatchedStep.scalars`
+    (``scalars``) and, with the Triton kernels, the gradients' addresses (``addresses``); ``ok``
+    is the finite gate agreed across ranks (used with ``nonfinite_across_ranks`` only).
     """
 
     def __init__(self, layout: Layout) -> None:
-        size = SCALARS + (len(layout.staged) if layout.triton else 0)
+        n = SCALARS + 2 * len(layout.adam)
+        size = n + (len(layout.staged) if layout.triton else 0)
         self.staged = torch.zeros(size, dtype=torch.int64, device=layout.device)
-        self.scalars = self.staged[:SCALARS].view(torch.float64)
-        self.addresses = self.staged[SCALARS:]
+        self.scalars = self.staged[:n].view(torch.float64)
+        self.addresses = self.staged[n:]
         self.ok = torch.ones((), dtype=torch.float32, device=layout.device)
 
 
@@ -81,21 +83,23 @@ class BatchedStep:
 
     # ------------------------------------------------------------------ host
 
-    def scalars(self, group: dict[str, Any]) -> tuple[float, ...]:
-        """The :data:`SCALARS` of this step; advances the Adam parameters' shared bias-correction powers."""
+    def scalars(self, group: dict[str, Any]) -> list[float]:
+        """The step's :data:`SCALARS`, then each Adam parameter's -step size and bias correction 2.
+
+        Advances every Adam parameter's own bias-correction powers (``beta1_pow``, ``beta2_pow``),
+        as the loop does: parameters that missed steps keep their shorter step count.
+        """
         L = self.layout
         settings = F.GroupSettings.of(group)
         lr, wd, adam_lr = settings.lr, settings.weight_decay, settings.adam_lr
-        step_size = bc2 = 1.0
-        if L.adam:
-            beta1, beta2 = L.betas
-            s0 = L.adam_states[0]
-            pow1, pow2 = s0["beta1_pow"] * beta1, s0["beta2_pow"] * beta2
-            for st in L.adam_states:
-                st["beta1_pow"], st["beta2_pow"] = pow1, pow2
-            step_size = adam_lr / (1.0 - pow1)
-            bc2 = 1.0 - pow2
-        return (1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, -step_size, bc2)
+        beta1, beta2 = L.betas
+        neg_steps, bc2 = [], []
+        for st in L.adam_states:
+            st["beta1_pow"] *= beta1
+            st["beta2_pow"] *= beta2
+            neg_steps.append(-adam_lr / (1.0 - st["beta1_pow"]))
+            bc2.append(1.0 - st["beta2_pow"])
+        return [1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, *neg_steps, *bc2]
 
     # ---------------------------------------------------------------- device
 
@@ -109,15 +113,18 @@ class BatchedStep:
             ok = self.inputs.ok if self.shared_gate else L.span_finite.amin()
         else:
             ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.grad])
-        muon_decay, neg_lr, adamw_decay, neg_step, bc2 = self.inputs.scalars.to(L.dtype).unbind(0)
+        scalars = self.inputs.scalars
+        muon_decay, neg_lr, adamw_decay = scalars[:SCALARS].to(L.dtype).unbind(0)
         # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
         # Nesterov update exists; captured, it runs on side streams while the main stream does
         # Adam, the weight decay, Magma and the Triton launches (see _muon_update).
         pending = self._muon_update(ok, lanes) if L.muon else None
         muon_decay = F.gate_factor(muon_decay, ok, L.dtype)
         adamw_decay = F.gate_factor(adamw_decay, ok, L.dtype)
-        if L.adam:
-            self._adam(neg_step.float() * ok, bc2.float(), ok)
+        if L.adam:  # each parameter's pair of scalars, spread over its elements
+            per_param = scalars[SCALARS:].to(torch.float32).view(2, -1)
+            neg_step, bc2 = per_param.repeat_interleave(L.adam_numels, dim=1, output_size=L.exp_avg.numel())
+            self._adam(neg_step * ok, bc2, ok)
         if pending is not None:
             self._muon(neg_lr * ok.to(L.dtype), ok, *pending, lanes)
         self._apply(muon_decay, adamw_decay)

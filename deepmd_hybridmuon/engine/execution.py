@@ -31,7 +31,7 @@ import contextlib
 
 import torch
 
-from .batched import SCALARS, BatchedStep, Lanes
+from .batched import BatchedStep, Lanes
 
 __all__ = ["GRAPH_WARMUP", "Executor", "SideStreams"]
 
@@ -80,12 +80,13 @@ class Executor:
         pinned = self.device.type == "cuda"
         size = step.inputs.staged.numel()
         self.host = [torch.zeros(size, dtype=torch.int64, device="cpu", pin_memory=pinned) for _ in range(RING)]
-        self.host_scalars = [h[:SCALARS].view(torch.float64).numpy() for h in self.host]  # writable views
-        self.host_addresses = [h[SCALARS:].numpy() for h in self.host]
+        n = step.inputs.scalars.numel()
+        self.host_scalars = [h[:n].view(torch.float64).numpy() for h in self.host]  # writable views
+        self.host_addresses = [h[n:].numpy() for h in self.host]
         self.events = [torch.cuda.Event() if pinned else None for _ in self.host]
         self.turn = 0
 
-    def stage(self, scalars: tuple[float, ...], grads: list[torch.Tensor], shared: torch.Tensor | None) -> None:
+    def stage(self, scalars: list[float], grads: list[torch.Tensor], shared: torch.Tensor | None) -> None:
         """Move this step's scalars, gradients and (if given) agreed finite gate into the static inputs."""
         inputs = self.step.inputs
         turn = self.turn = (self.turn + 1) % len(self.host)

@@ -107,32 +107,25 @@ class GroupEngine:
         ):
             return False
         staged = self.layout.staged
-        return (
-            all(p.grad is not None and p.data_ptr() == ptr for p, ptr in zip(staged, self.storage, strict=True))
-            and all(p.grad is None for p in self.gradless)
-        )
+        return all(
+            p.grad is not None and p.data_ptr() == ptr for p, ptr in zip(staged, self.storage, strict=True)
+        ) and all(p.grad is None for p in self.gradless)
 
     @property
     def outdated(self) -> bool:
         """Built with the torch path while Triton compiled, and the kernels are ready now."""
         return self.compiling is not None and self.compiling.is_set()
 
-    def step(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> bool:
-        """One step of the whole group, as the loop's ``_step_group(group, shared)``; ``False``: not done.
+    def step(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
+        """One step of the whole group, as the loop's ``_step_group(group, shared)``.
 
-        The engine shares one pair of Adam bias corrections; when Adam parameters are at
-        different step counts (some once had no gradient) it does nothing and returns
-        ``False``, for the loop to take the step. ``shared`` is the finite gate agreed
-        across ranks (``nonfinite_across_ranks``), else ``None``.
+        ``shared`` is the finite gate agreed across ranks (``nonfinite_across_ranks``), else ``None``.
         """
-        if not self.layout.adam_uniform:
-            return False
         if self.shared_gate and shared is None:
             raise RuntimeError("the flat engine was built with a shared finite gate; step() got none")
         grads = [p.grad for p in self.layout.staged]
         self.executor.stage(self.batched.scalars(group), grads, shared if self.shared_gate else None)
         self.executor.run()
-        return True
 
     def summary(self) -> dict[str, Any]:
         """How this engine runs its group (see ``HybridMuonOptimizer.execution_table``)."""

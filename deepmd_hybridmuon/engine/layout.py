@@ -282,10 +282,7 @@ class Layout:
             state[p]["beta1_pow"] = 1.0
             state[p]["beta2_pow"] = 1.0
         self.adam_states = [state[p] for p in self.adam]  # a loaded state dict rebuilds the engine
-        # One pair of bias corrections serves all: the engine needs the Adam parameters at
-        # one step count, and keeps them there (it steps them all together).
-        pows = {(st["beta1_pow"], st["beta2_pow"]) for st in self.adam_states}
-        self.adam_uniform = len(pows) <= 1
+        self.adam_numels = torch.tensor([p.numel() for p in self.adam], dtype=torch.int64, device=self.device)
 
     def _build_muon(self, state: dict, group: dict[str, Any], K: ModuleType | None) -> None:
         params = [p for p, _ in self.muon]
