@@ -438,9 +438,19 @@ class GroupSettings:
         """Learning rate of the Adam routes (:func:`adam_learning_rate`)."""
         return adam_learning_rate(self.lr, self.lr_adjust)
 
+    @property
+    def muon_decay(self) -> float:
+        """The Muon route's decoupled decay factor ``1 - lr * weight_decay``."""
+        return 1.0 - self.lr * self.weight_decay
+
+    @property
+    def adamw_decay(self) -> float:
+        """The AdamW route's decoupled decay factor ``1 - adam_lr * weight_decay``."""
+        return 1.0 - self.adam_lr * self.weight_decay
+
     def adam_decay(self, route: str) -> float | None:
-        """AdamW's decoupled decay factor ``1 - adam_lr * weight_decay``; ``None`` for Adam or no decay."""
-        return (1.0 - self.adam_lr * self.weight_decay) if (route == "adamw" and self.weight_decay > 0) else None
+        """The decay factor of an Adam-family ``route``: :attr:`adamw_decay`; ``None`` for Adam or no decay."""
+        return self.adamw_decay if (route == "adamw" and self.weight_decay > 0) else None
 
     def scale(self, rows: int, cols: int) -> float:
         """The Muon update scale of a ``rows x cols`` matrix (:func:`muon_scale`)."""

@@ -498,10 +498,7 @@ class HybridMuonOptimizer(Optimizer):
             group["magma_muon"],
             lr_adjust <= 0,
             lr_adjust if lr_adjust > 0 else float(group["lr_adjust_coeff"]),
-            # constants baked into the (possibly captured) computation
-            tuple(float(b) for b in group["adam_betas"]),
-            float(group["momentum"]),
-            float(group["weight_decay"]) > 0,
+            float(group["weight_decay"]) > 0,  # the decay passes exist or not
         )
 
     def _engine(self, index: int, group: dict[str, Any]) -> GroupEngine | None:
@@ -659,16 +656,14 @@ class HybridMuonOptimizer(Optimizer):
 
         ``entries``: parameter, gradient, ``(batch, rows, cols)`` view and the finite gate on the parameter's device.
         """
-        lr, wd = settings.lr, settings.weight_decay
-
         for p, grad, (bs, rows, cols), ok in entries:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(grad)
             buf = state["momentum_buffer"]
             g = F.sanitize(grad.to(buf.dtype), ok)
-            if wd > 0:
-                p.mul_(F.gate_factor(1.0 - lr * wd, ok, p.dtype))
+            if settings.weight_decay > 0:
+                p.mul_(F.gate_factor(settings.muon_decay, ok, p.dtype))
             update = F.nesterov_momentum_(buf, g, settings.momentum, ok)
 
             damp = None
@@ -684,4 +679,4 @@ class HybridMuonOptimizer(Optimizer):
             delta = orth * settings.scale(rows, cols)
             if damp is not None:
                 delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
-            p.addcmul_(delta.reshape(p.shape), ok.to(p.dtype) * -lr)
+            p.addcmul_(delta.reshape(p.shape), ok.to(p.dtype) * -settings.lr)

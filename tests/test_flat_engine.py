@@ -105,6 +105,21 @@ def test_engine_follows_a_parameter_that_misses_a_gradient(missing, device):
     assert row["cuda_graph"] == (device == "cuda")  # the engine, not the loop, took the later steps
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_follows_a_momentum_and_betas_schedule_without_rebuilding(device):
+    # e.g. OneCycleLR, which cycles the "momentum" key of every group by default
+    def script(step, params, opt):
+        group = opt.param_groups[0]
+        group["momentum"] = 0.85 + 0.02 * step
+        group["adam_betas"] = (0.8 + 0.02 * step, 0.9 + 0.01 * step)
+
+    moved, params, opt = _scripted_run("engine", script, device, steps=7)
+    ref, _, _ = _scripted_run("loop", script, device, steps=7)
+    _assert_close_to_the_loop(moved, ref, _routes(opt, params))
+    # One engine for all steps: on a GPU its third step on was a replay of the captured graph.
+    assert opt.execution_table()[0]["cuda_graph"] == (device == "cuda")
+
+
 def test_engine_is_rebuilt_when_routing_changes_after_steps():
     """New names route a matrix to Adam: the rebuilt engine follows them, as the loop does."""
 

@@ -202,7 +202,6 @@ def _local_muon(
     parameter tensors, their flat concatenation (decayed), the flat Nesterov update (in the
     momentum's dtype) and Magma's multiplier per matrix (``None`` without Magma).
     """
-    lr, wd = settings.lr, settings.weight_decay
     grad_dtypes, param_dtypes = {grads[id(p)].dtype for p in muon}, {p.dtype for p in muon}
     if len(grad_dtypes) > 1 or len(param_dtypes) > 1:
         dtypes = grad_dtypes | param_dtypes
@@ -220,8 +219,8 @@ def _local_muon(
     flat_p = _flat(locals_)
     flat_buf = _flat(bufs)
     g = F.sanitize(flat_grad.to(work), ok)
-    if wd > 0:
-        flat_p.mul_(F.gate_factor(1.0 - lr * wd, ok, flat_p.dtype))
+    if settings.weight_decay > 0:
+        flat_p.mul_(F.gate_factor(settings.muon_decay, ok, flat_p.dtype))
     update = F.nesterov_momentum_(flat_buf, g, settings.momentum, ok)
     _write_back(bufs, flat_buf)
     if not settings.magma:

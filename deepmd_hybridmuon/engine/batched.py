@@ -34,9 +34,11 @@ from .layout import Layout, run_phased
 
 __all__ = ["SCALARS", "BatchedStep", "Lanes", "StepInputs"]
 
-#: The step's scalars shared by the whole group: Muon decay, -lr, AdamW decay. Two per Adam parameter follow
-#: them (its -step size, then its second bias correction): each keeps its own step count, as in the loop.
-SCALARS = 3
+#: The step's scalars shared by the whole group: Muon decay, -lr, AdamW decay, momentum, 1 - momentum,
+#: 1 - beta1, 1 - beta2 (read from the group every step: a scheduler may change any of them). Two per Adam
+#: parameter follow them (its -step size, then its second bias correction): each keeps its own step count,
+#: as in the loop.
+SCALARS = 7
 
 
 class StepInputs:
@@ -89,17 +91,16 @@ class BatchedStep:
         Advances every Adam parameter's own bias-correction powers (``beta1_pow``, ``beta2_pow``),
         as the loop does: parameters that missed steps keep their shorter step count.
         """
-        L = self.layout
-        settings = F.GroupSettings.of(group)
-        lr, wd, adam_lr = settings.lr, settings.weight_decay, settings.adam_lr
-        beta1, beta2 = L.betas
+        s = F.GroupSettings.of(group)
         neg_steps, bc2 = [], []
-        for st in L.adam_states:
-            st["beta1_pow"] *= beta1
-            st["beta2_pow"] *= beta2
-            neg_steps.append(-adam_lr / (1.0 - st["beta1_pow"]))
+        for st in self.layout.adam_states:
+            st["beta1_pow"] *= s.beta1
+            st["beta2_pow"] *= s.beta2
+            neg_steps.append(-s.adam_lr / (1.0 - st["beta1_pow"]))
             bc2.append(1.0 - st["beta2_pow"])
-        return [1.0 - lr * wd, -lr, 1.0 - adam_lr * wd, *neg_steps, *bc2]
+        shared = [s.muon_decay, -s.lr, s.adamw_decay]
+        shared += [s.momentum, 1.0 - s.momentum, 1.0 - s.beta1, 1.0 - s.beta2]
+        return shared + neg_steps + bc2
 
     # ---------------------------------------------------------------- device
 
@@ -114,17 +115,19 @@ class BatchedStep:
         else:
             ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.grad])
         scalars = self.inputs.scalars
-        muon_decay, neg_lr, adamw_decay = scalars[:SCALARS].to(L.dtype).unbind(0)
+        shared = scalars[:SCALARS].to(L.dtype)
+        muon_decay, neg_lr, adamw_decay = shared[:3].unbind(0)
+        betas = shared[3:5]  # momentum, 1 - momentum
         # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
         # Nesterov update exists; captured, it runs on side streams while the main stream does
         # Adam, the weight decay, Magma and the Triton launches (see _muon_update).
-        pending = self._muon_update(ok, lanes) if L.muon else None
+        pending = self._muon_update(ok, betas, lanes) if L.muon else None
         muon_decay = F.gate_factor(muon_decay, ok, L.dtype)
         adamw_decay = F.gate_factor(adamw_decay, ok, L.dtype)
         if L.adam:  # each parameter's pair of scalars, spread over its elements
             per_param = scalars[SCALARS:].to(torch.float32).view(2, -1)
             neg_step, bc2 = per_param.repeat_interleave(L.adam_numels, dim=1, output_size=L.exp_avg.numel())
-            self._adam(neg_step * ok, bc2, ok)
+            self._adam(neg_step * ok, bc2, ok, scalars[5:7].to(torch.float32))
         if pending is not None:
             self._muon(neg_lr * ok.to(L.dtype), ok, *pending, lanes)
         self._apply(muon_decay, adamw_decay)
@@ -143,18 +146,22 @@ class BatchedStep:
                 torch._foreach_mul_([p for p, _ in L.muon], muon_decay)
         torch._foreach_add_(L.staged, L.delta_views)
 
-    def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor, ok: torch.Tensor) -> None:
+    def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor, ok: torch.Tensor, weights: torch.Tensor) -> None:
+        """Adam on the flat moments; ``weights``: ``[1 - beta1, 1 - beta2]`` (float32)."""
         L = self.layout
-        beta1, beta2 = L.betas
         grads = F.sanitize(L.adam_grad.to(torch.float32), ok)
-        L.exp_avg.lerp_(grads, ok * (1.0 - beta1))
-        L.exp_avg_sq.lerp_(grads * grads, ok * (1.0 - beta2))
+        L.exp_avg.lerp_(grads, ok * weights[0])
+        L.exp_avg_sq.lerp_(grads * grads, ok * weights[1])
         denom = (L.exp_avg_sq / bc2).sqrt_().add_(F.ADAM_EPS)
         torch.div(L.exp_avg, denom, out=denom)
         L.adam_delta.copy_(denom.mul_(neg_step))
 
-    def _muon_update(self, ok: torch.Tensor, lanes: Lanes) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    def _muon_update(
+        self, ok: torch.Tensor, betas: torch.Tensor, lanes: Lanes
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Momentum and Nesterov update of every Muon matrix; starts the torch buckets on it.
+
+        ``betas``: ``[momentum, 1 - momentum]`` in the parameters' dtype.
 
         Returns the sanitised gradients, the update and the buckets' orthogonalised stacks
         (unscaled; still being computed on the side streams when captured).
@@ -162,11 +169,11 @@ class BatchedStep:
         L = self.layout
         if L.triton:  # one pass; muon_grad is sanitised in place
             grads, update = L.muon_grad, L.update
-            self.K.momentum_update(grads, L.momentum, update, ok, L.betas_t)
+            self.K.momentum_update(grads, L.momentum, update, ok, betas)
         else:
             grads = F.sanitize(L.muon_grad, ok)
-            L.momentum.lerp_(grads, ok.to(L.dtype) * (1.0 - L.beta))
-            update = torch.lerp(grads, L.momentum, L.beta)
+            L.momentum.lerp_(grads, ok.to(L.dtype) * betas[1])
+            update = torch.lerp(grads, L.momentum, betas[0])
         stacks = []
         for i, b in enumerate(L.buckets):
             with lanes.lane(i):

@@ -238,8 +238,6 @@ class Layout:
         self.adam = [p for p, r in zip(params, routes, strict=True) if r.route != "muon"]
         self.adamw = [p for p, r in zip(params, routes, strict=True) if r.route == "adamw"]
         self.muon: list[MuonEntry] = [(p, r.view) for p, r in zip(params, routes, strict=True) if r.route == "muon"]
-        self.betas = tuple(float(b) for b in group["adam_betas"])
-        self.beta = float(group["momentum"])
         self.weight_decay = float(group["weight_decay"]) > 0
         self.magma = bool(group["magma_muon"])
         # One flat gradient buffer and one flat update buffer, Adam parameters first: one
@@ -342,7 +340,6 @@ class Layout:
         decays += [1 if self.weight_decay else 0] * len(self.muon)
         self.spans = torch.tensor(K.span_table(self.numels, decays), dtype=torch.int64, **kw)
         self.span_finite = torch.ones(self.spans.size(0), dtype=torch.float32, **kw)
-        self.betas_t = torch.tensor([self.beta, 1.0 - self.beta], dtype=self.dtype, **kw)
         self.update = torch.zeros_like(self.momentum)
         self.param_addresses = torch.tensor([p.data_ptr() for p in self.staged], dtype=torch.int64, **kw)
 
