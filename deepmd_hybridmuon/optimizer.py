@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,26 +18,13 @@ from torch.optim.optimizer import Optimizer
 from . import distributed
 from . import functional as F
 from .engine import GroupEngine
+from .validation import validate_group
 
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
 log = logging.getLogger("deepmd.hybridmuon")
 
-__all__ = ["HybridMuonOptimizer", "check_number"]
+__all__ = ["HybridMuonOptimizer"]
 
-#: Keys of a param_group: exactly those of deepmd-kit 3.2.0, so checkpoints move both ways.
-GROUP_KEYS: tuple[str, ...] = (
-    "lr",
-    "momentum",
-    "weight_decay",
-    "adam_betas",
-    "lr_adjust",
-    "lr_adjust_coeff",
-    "muon_mode",
-    "enable_gram",
-    "magma_muon",
-)
-#: Keys other code may add to a param_group: torch's schedulers and named groups.
-_FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
 #: Constructor keywords that are settings of the optimizer, not of a param_group.
 _OPTIMIZER_KEYS: frozenset[str] = frozenset(
     {"flash_muon", "use_foreach", "named_parameters", "nonfinite_across_ranks", "ddp_split"}
@@ -85,50 +71,6 @@ try:  # torch's own names for its mode stack (bound here once: both modules are 
     from torch.utils._device import DeviceContext as _DeviceContext
 except ImportError:
     _DeviceContext = None
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def check_number(key: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite real in [low, high] (or [low, high))."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
-        number = float(value)
-    elif _is_real(value):
-        number = float(value)
-    else:
-        raise ValueError(f"Invalid {key}: {value!r}; expected a real number")
-    if not math.isfinite(number):
-        raise ValueError(f"Invalid {key}: {value!r}; expected a finite number")
-    if number < low or (high is not None and (number >= high if high_open else number > high)):
-        bracket = ")" if high_open else "]"
-        upper = "inf)" if high is None else f"{high:g}{bracket}"
-        raise ValueError(f"Invalid {key}: {value!r}; expected a value in [{low:g}, {upper}")
-
-
-def _validate_group(group: dict[str, Any]) -> None:
-    """Check every hyperparameter of one param_group; raise ``ValueError`` naming the bad one."""
-    unknown = sorted(set(group) - set(GROUP_KEYS) - _FOREIGN_GROUP_KEYS)
-    if unknown:
-        raise ValueError(f"Unknown param_group keys: {unknown}; expected a subset of {list(GROUP_KEYS)}")
-    check_number("lr", group["lr"], low=0.0)
-    check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
-    check_number("weight_decay", group["weight_decay"], low=0.0)
-    betas = group["adam_betas"]
-    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
-        raise ValueError(f"Invalid adam_betas: {betas!r}; expected a pair (beta1, beta2)")
-    check_number("adam_betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
-    check_number("adam_betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
-    check_number("lr_adjust", group["lr_adjust"], low=-math.inf)
-    check_number("lr_adjust_coeff", group["lr_adjust_coeff"], low=0.0)
-    mode = group["muon_mode"]
-    if not isinstance(mode, str) or mode.lower() not in F.MUON_MODES:
-        raise ValueError(f"Invalid muon_mode: {mode!r}; expected one of '2d', 'flat', 'slice'")
-    group["muon_mode"] = mode.lower()
-    for key in ("enable_gram", "magma_muon"):
-        if not isinstance(group[key], bool):
-            raise ValueError(f"Invalid {key}: {group[key]!r}; expected true or false")
 
 
 class HybridMuonOptimizer(Optimizer):
@@ -298,7 +240,7 @@ class HybridMuonOptimizer(Optimizer):
             "enable_gram": enable_gram,
             "magma_muon": magma_muon,
         }
-        _validate_group({"params": [], **defaults})  # fail on the argument, before any group
+        validate_group({"params": [], **defaults})  # fail on the argument, before any group
         defaults["muon_mode"] = str(muon_mode).lower()
         self.flash_muon = flash_muon
         self.nonfinite_across_ranks = nonfinite_across_ranks
@@ -325,7 +267,7 @@ class HybridMuonOptimizer(Optimizer):
         param_group = {k: v for k, v in param_group.items() if k not in _OPTIMIZER_KEYS}
         super().add_param_group(param_group)
         try:
-            _validate_group(self.param_groups[-1])
+            validate_group(self.param_groups[-1])
         except ValueError:
             self.param_groups.pop()
             raise

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 from . import __version__
-from .optimizer import GROUP_KEYS, HybridMuonOptimizer
+from .optimizer import HybridMuonOptimizer
 from .schema import HYBRID_MUON_DOC, hybrid_muon_arguments, resolve_legacy_keys
+from .validation import GROUP_KEYS
 
 __all__ = [
     "SUPPORTED_DEEPMD",

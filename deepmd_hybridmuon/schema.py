@@ -1,7 +1,9 @@
 """The ``optimizer`` section schema of type ``HybridMuon`` (dargs), and legacy-key mapping.
 
-Imports dargs only. :mod:`deepmd_hybridmuon.plugin` registers :func:`hybrid_muon_arguments`
-into deepmd-kit's ``opt_args_plugin`` in place of the built-in entry.
+Its own imports are dargs, the routing modes of :mod:`.functional` and the input checks of
+:mod:`.validation` (the optimizer's, so that ``dp check`` and the constructor say the same).
+:mod:`deepmd_hybridmuon.plugin` registers :func:`hybrid_muon_arguments` into deepmd-kit's
+``opt_args_plugin`` in place of the built-in entry.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from dargs import Argument
 
 from .functional import MUON_MODES
-from .optimizer import check_number
+from .validation import check_number
 
 __all__ = [
     "HYBRID_MUON_DOC",

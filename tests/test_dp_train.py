@@ -16,7 +16,7 @@ from conftest import OURS_LOG_LINE as LOG_LINE
 from conftest import read_lcurve as _lcurve
 from conftest import run_dp as _dp
 
-from deepmd_hybridmuon.optimizer import GROUP_KEYS
+from deepmd_hybridmuon.validation import GROUP_KEYS
 
 pytestmark = pytest.mark.slow
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import types
@@ -50,6 +51,11 @@ def test_schema_keeps_every_builtin_key_and_default():
     }
     assert {k: ours[k].default for k in expected_defaults} == expected_defaults
     assert set(ours) == set(expected_defaults) | set(LEGACY_KEYS)
+    # The optimizer's constructor, used outside dp, has the same defaults as the schema.
+    signature = inspect.signature(HybridMuonOptimizer).parameters
+    constructor = {k: signature[k].default for k in expected_defaults if k in signature}
+    constructor |= dict(zip(("adam_beta1", "adam_beta2"), signature["adam_betas"].default, strict=True))
+    assert constructor == expected_defaults
     assert list(ours["momentum"].alias) == ["muon_momentum"]
     # the alias still normalises through deepmd's own normalize()
     data = _minimal_input({"type": "HybridMuon", "muon_momentum": 0.9})

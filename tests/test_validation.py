@@ -132,7 +132,7 @@ def test_optimizer_level_keys_in_a_group_are_dropped() -> None:
     # flash_muon and use_foreach) into the groups it hands to the local optimizer.
     group = {"params": [_param()], "flash_muon": True, "use_foreach": None, "nonfinite_across_ranks": False}
     opt = HybridMuonOptimizer([group])
-    from deepmd_hybridmuon.optimizer import GROUP_KEYS
+    from deepmd_hybridmuon.validation import GROUP_KEYS
 
     assert set(opt.param_groups[0]) == {"params", *GROUP_KEYS}
 

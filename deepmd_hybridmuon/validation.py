@@ -1,0 +1,76 @@
+"""Checks of user input: numbers, and every hyperparameter of a param_group.
+
+Each error names the key, the value and what is allowed. Used by the optimizer (constructor,
+``add_param_group``) and by the schema (``dp check``), so both say the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .functional import MUON_MODES
+
+__all__ = ["GROUP_KEYS", "check_number", "validate_group"]
+
+#: Keys of a param_group: exactly those of deepmd-kit 3.2.0, so checkpoints move both ways.
+GROUP_KEYS: tuple[str, ...] = (
+    "lr",
+    "momentum",
+    "weight_decay",
+    "adam_betas",
+    "lr_adjust",
+    "lr_adjust_coeff",
+    "muon_mode",
+    "enable_gram",
+    "magma_muon",
+)
+#: Keys other code may add to a param_group: torch's schedulers and named groups.
+_FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_number(key: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real in [low, high] (or [low, high))."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+        number = float(value)
+    elif _is_real(value):
+        number = float(value)
+    else:
+        raise ValueError(f"Invalid {key}: {value!r}; expected a real number")
+    if not math.isfinite(number):
+        raise ValueError(f"Invalid {key}: {value!r}; expected a finite number")
+    if number < low or (high is not None and (number >= high if high_open else number > high)):
+        bracket = ")" if high_open else "]"
+        upper = "inf)" if high is None else f"{high:g}{bracket}"
+        raise ValueError(f"Invalid {key}: {value!r}; expected a value in [{low:g}, {upper}")
+
+
+def validate_group(group: dict[str, Any]) -> None:
+    """Check every hyperparameter of one param_group; raise ``ValueError`` naming the bad one."""
+    unknown = sorted(set(group) - set(GROUP_KEYS) - _FOREIGN_GROUP_KEYS)
+    if unknown:
+        raise ValueError(f"Unknown param_group keys: {unknown}; expected a subset of {list(GROUP_KEYS)}")
+    check_number("lr", group["lr"], low=0.0)
+    check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
+    check_number("weight_decay", group["weight_decay"], low=0.0)
+    betas = group["adam_betas"]
+    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
+        raise ValueError(f"Invalid adam_betas: {betas!r}; expected a pair (beta1, beta2)")
+    check_number("adam_betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
+    check_number("adam_betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
+    check_number("lr_adjust", group["lr_adjust"], low=-math.inf)
+    check_number("lr_adjust_coeff", group["lr_adjust_coeff"], low=0.0)
+    mode = group["muon_mode"]
+    if not isinstance(mode, str) or mode.lower() not in MUON_MODES:
+        raise ValueError(f"Invalid muon_mode: {mode!r}; expected one of '2d', 'flat', 'slice'")
+    group["muon_mode"] = mode.lower()
+    for key in ("enable_gram", "magma_muon"):
+        if not isinstance(group[key], bool):
+            raise ValueError(f"Invalid {key}: {group[key]!r}; expected true or false")
