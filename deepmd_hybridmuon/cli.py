@@ -275,7 +275,7 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
     """Whether the flat engine runs the Triton kernels on ``device``, and why (the engine's own condition)."""
     import torch
 
-    from .engine.compilation import triton_runs_on
+    from .engine.compilation import MIN_CAPABILITY, triton_runs_on
 
     on = flash_muon and triton_runs_on(device)
     if on:
@@ -287,15 +287,16 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
         name = torch.cuda.get_device_name(device)
         return True, (
             f"on: flash_muon is true, Triton {triton.__version__} imports, {name} has compute capability "
-            f"{major}.{minor} (>= 8.0); compiled in the background on first use"
+            f"{major}.{minor} (>= {'.'.join(map(str, MIN_CAPABILITY))}); compiled in the background on first use"
         )
     if not flash_muon:
         why = "flash_muon is false"
     elif device.type != "cuda":
         why = f"not a CUDA GPU (deepmd's device is {device})"
-    elif torch.cuda.get_device_capability(device) < (8, 0):
+    elif torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
-        why = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; the kernels need 8.0"
+        need = ".".join(map(str, MIN_CAPABILITY))
+        why = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; the kernels need {need}"
     else:
         why = "Triton cannot be imported"
     return False, f"off: {why}; batched torch kernels instead"

@@ -1,4 +1,4 @@
-"""The deepmd-kit seam: the only module of this package that imports deepmd.
+"""The deepmd-kit seam: with :mod:`.cli` (``dp check``), the only module that imports deepmd (inside functions).
 
 deepmd-kit loads three entry-point groups, each pointing here:
 

@@ -1186,7 +1186,7 @@ def test_flat_and_write_back_round_trip_empty_and_transposed_tensors() -> None:
 
 def test_magma_segment_sums_span_several_blocks() -> None:
     """Magma's per-matrix sums over segments longer than one block (two passes), empty ones, any order."""
-    from deepmd_hybridmuon.distributed.local import SEGMENT_BLOCK, _Segments
+    from deepmd_hybridmuon.distributed.local import SEGMENT_BLOCK, Segments
 
     lengths = [2 * SEGMENT_BLOCK + 5, 0, 7, SEGMENT_BLOCK, 3 * SEGMENT_BLOCK]
     matrix = [2, 4, 0, 3, 1]  # segment i holds (part of) matrix matrix[i]; matrix 4 is empty
@@ -1194,7 +1194,7 @@ def test_magma_segment_sums_span_several_blocks() -> None:
     expected = torch.zeros(5, 3, dtype=torch.float64)
     for chunk, m in zip(values.split(lengths), matrix, strict=True):
         expected[m] = chunk.sum(0)
-    got = _Segments(lengths, matrix, 5, torch.device("cpu")).sums(values)
+    got = Segments(lengths, matrix, 5, torch.device("cpu")).sums(values)
     # float64, sums of a few thousand O(1) values in another order: agree to ~1e-13
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 

@@ -17,10 +17,11 @@ Each step's collectives are a fixed sequence whatever the number of parameters, 
 is skipped because of local data (that would deadlock).
 """
 
+from ..dtensor import is_dtensor, local_shard
 from .ddp import DDP_SPLIT_MIN_COST, DDP_SPLIT_MODES, DdpSplit, ddp_split_of, ddp_step_group, split_pays
 from .fsdp import from_owners, plan_of, step_group, to_owners
 from .fsdp import summary_of as fsdp_summary
-from .local import SEGMENT_BLOCK, OwnedKernels, is_dtensor, local_shard
+from .local import SEGMENT_BLOCK, OwnedKernels
 from .plan import ParamLayout, Plan, build_plan, chunk_rows, ns_cost, trace_collectives
 
 __all__ = [

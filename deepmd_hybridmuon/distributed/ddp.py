@@ -20,16 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .local import (
-    OwnedKernels,
-    _apply_delta,
-    _local_elementwise,
-    _orthogonalize_owned,
-    _Segments,
-    _wire_dtype,
-    is_dtensor,
-    kernels_summary,
-)
+from ..dtensor import is_dtensor
+from . import local
 from .plan import Plan, _collective, _owned, build_plan
 
 if TYPE_CHECKING:
@@ -91,8 +83,8 @@ class DdpSplit:
             owned_index[at : at + size] = torch.arange(starts[k] + j * size, starts[k] + (j + 1) * size)
         self.owned_index = owned_index.to(device)
         sizes = [p.view[1] * p.view[2] for p in muon for _ in range(p.view[0])]  # type: ignore[index]
-        self.segments = _Segments(sizes, list(range(len(sizes))), len(sizes), device)
-        self.kernels = OwnedKernels(self.groups, device) if flash_muon else None
+        self.segments = local.Segments(sizes, list(range(len(sizes))), len(sizes), device)
+        self.kernels = local.OwnedKernels(self.groups, device) if flash_muon else None
 
     def summary(self) -> dict[str, Any]:
         """The ``execution_table`` row of a group that ran the split."""
@@ -103,7 +95,7 @@ class DdpSplit:
             "owned_matrices": sum(sg.count for sg in self.groups),
             "ns_cost_per_rank": max(self.plan.load),
             "ns_cost_total": sum(self.plan.load),
-            **kernels_summary(self.kernels, self.groups),
+            **local.kernels_summary(self.kernels, self.groups),
         }
 
 
@@ -168,15 +160,15 @@ def ddp_step_group(
     # 1-2. The gate (the gradients are the same on every rank, DDP all-reduced them: so is the
     # gate), Adam routes, momentum, decay and Magma: on the whole tensors, as one process.
     device = group["params"][plan.params[0].index].device
-    settings, ok, muon = _local_elementwise(opt, group, plan, device, shared, None, split.segments, None)
+    settings, ok, muon = local.local_elementwise(opt, group, plan, device, shared, None, split.segments, None)
     assert muon is not None  # a split exists only for groups with Muon matrices
     locals_, flat_p, update, damp = muon
 
     # 3. Newton–Schulz of the owned matrices; one all-gather of every rank's deltas (padded
     # to the largest rank's size: a rank owning nothing sends padding).
-    wire = _wire_dtype(update.dtype)
+    wire = local.wire_dtype(update.dtype)
     send = torch.zeros(split.pad, dtype=wire, device=update.device)
-    _orthogonalize_owned(settings, update[split.owned_index], split.groups, damp, send, split.kernels)
+    local.orthogonalize_owned(settings, update[split.owned_index], split.groups, damp, send, split.kernels)
     gathered = torch.empty(split.pad * plan.world, dtype=wire, device=update.device)
     _collective("all_gather", (split.pad,), dist.all_gather_into_tensor, gathered, send)
-    _apply_delta(flat_p, locals_, gathered[split.perm], ok, settings.lr)
+    local.apply_delta(flat_p, locals_, gathered[split.perm], ok, settings.lr)

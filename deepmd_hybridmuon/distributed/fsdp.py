@@ -45,15 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .local import (
-    OwnedKernels,
-    _apply_delta,
-    _local_elementwise,
-    _orthogonalize_owned,
-    _Segments,
-    _wire_dtype,
-    kernels_summary,
-)
+from . import local
 from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan
 
 if TYPE_CHECKING:
@@ -109,7 +101,7 @@ class _Exchange:
         self.send_index = _cat_index(send_index, device)
 
         self.groups, start_of, self.owned_numel = _owned(plan, rank, device)
-        self.kernels = OwnedKernels(self.groups, device) if flash_muon else None  # the owners' Triton launches
+        self.kernels = local.OwnedKernels(self.groups, device) if flash_muon else None  # the owners' Triton launches
 
         # Receive side: pieces of every source owned here, in the senders' order.
         self.recv_splits = [0] * world
@@ -128,7 +120,7 @@ class _Exchange:
         self.gather[self.place] = torch.arange(self.place.numel(), device=device)
 
         # Magma: my pieces as segments of the local buffer (in local order), and their matrices.
-        self.segments = _Segments(
+        self.segments = local.Segments(
             [pc[3] for pc in mine], [matrix_base[pc[0]] + pc[1] for pc in mine], self.num_matrices, device
         )
 
@@ -152,15 +144,15 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_
     )
 
 
-def to_owners(ex: _Exchange, local: torch.Tensor, pg: Any) -> torch.Tensor:
+def to_owners(ex: _Exchange, flat: torch.Tensor, pg: Any) -> torch.Tensor:
     """Send this rank's flat Muon buffer (plan order) to the owners; return the owned matrices.
 
     One ``all_to_all_single`` with uneven splits, called by every rank (zero-length splits
     for a rank without pieces or owned matrices). The result is the owned buffer: owned
     matrices grouped by shape (``ex.groups``), each whole, in row-major order.
     """
-    recv = torch.empty(ex.owned_numel, dtype=local.dtype, device=local.device)
-    _all_to_all(recv, local[ex.send_index], ex.recv_splits, ex.send_splits, pg)
+    recv = torch.empty(ex.owned_numel, dtype=flat.dtype, device=flat.device)
+    _all_to_all(recv, flat[ex.send_index], ex.recv_splits, ex.send_splits, pg)
     return recv[ex.gather]
 
 
@@ -168,9 +160,9 @@ def from_owners(ex: _Exchange, owned: torch.Tensor, pg: Any) -> torch.Tensor:
     """The inverse of :func:`to_owners`: each rank gets back its pieces of the owned buffers."""
     back = torch.empty(ex.local_numel, dtype=owned.dtype, device=owned.device)
     _all_to_all(back, owned[ex.place], ex.send_splits, ex.recv_splits, pg)
-    local = torch.empty_like(back)
-    local[ex.send_index] = back
-    return local
+    pieces = torch.empty_like(back)
+    pieces[ex.send_index] = back
+    return pieces
 
 
 # ----------------------------------------------------------------------------- step
@@ -233,11 +225,11 @@ def plan_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) -> tupl
         plan = build_plan([(i, tuple(p.shape), opt.route_of(p, group)) for i, p in active], world)
         for layout, (_, p) in zip(plan.params, active, strict=True):
             lo, hi = layout.ranges[rank]
-            local = p.to_local()
-            if p.dim() == 0 or tuple(local.shape) != (hi - lo, *layout.shape[1:]):
+            shard = p.to_local()
+            if p.dim() == 0 or tuple(shard.shape) != (hi - lo, *layout.shape[1:]):
                 raise NotImplementedError(
                     f"FSDP2 shard of parameter {opt.param_name(p) or layout.index} (shape {layout.shape}) has local "
-                    f"shape {tuple(local.shape)} on shard rank {rank}; HybridMuon expects torch.chunk's rows "
+                    f"shape {tuple(shard.shape)} on shard rank {rank}; HybridMuon expects torch.chunk's rows "
                     f"{lo}..{hi} of dim 0"
                 )
         device = torch.device(mesh.device_type) if mesh is not None else torch.device("cpu")
@@ -250,7 +242,7 @@ def summary_of(opt: HybridMuonOptimizer, index: int) -> dict[str, Any]:
     cache = opt.__dict__.get("_fsdp_plans", {}).get(index)
     if cache is None:
         return {"implementation": "fsdp2", "kernels": "torch", "torch_matrices": []}
-    return {"implementation": "fsdp2", **kernels_summary(cache.exchange.kernels, cache.exchange.groups)}
+    return {"implementation": "fsdp2", **local.kernels_summary(cache.exchange.kernels, cache.exchange.groups)}
 
 
 def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
@@ -275,14 +267,14 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
         _collective("all_reduce", (sums.numel(),), dist.all_reduce, sums, op=dist.ReduceOp.SUM, group=pg)
 
     # 1-2. The gate, Adam routes, momentum, decay and Magma: elementwise on the local shards.
-    settings, ok, muon = _local_elementwise(opt, group, plan, device, shared, agree, ex.segments, reduce)
+    settings, ok, muon = local.local_elementwise(opt, group, plan, device, shared, agree, ex.segments, reduce)
     if muon is None:
         return
     # 3. Newton–Schulz on the owners: the shards travel there and the updates back.
     locals_, flat_p, update, damp = muon
     work = update.dtype
-    wire = _wire_dtype(work)
+    wire = local.wire_dtype(work)
     owned = to_owners(ex, update.to(wire), pg).to(work)
     delta = torch.empty_like(owned, dtype=wire)
-    _orthogonalize_owned(settings, owned, ex.groups, damp, delta, ex.kernels)
-    _apply_delta(flat_p, locals_, from_owners(ex, delta, pg), ok, settings.lr)
+    local.orthogonalize_owned(settings, owned, ex.groups, damp, delta, ex.kernels)
+    local.apply_delta(flat_p, locals_, from_owners(ex, delta, pg), ok, settings.lr)

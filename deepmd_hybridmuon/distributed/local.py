@@ -8,7 +8,6 @@ one flat concatenation; the owners' Newton–Schulz runs stacked by shape.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,31 +15,13 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import functional as F
+from ..dtensor import is_dtensor, local_shard
+from ..engine import compilation
+from ..engine.layout import assign, build_fused, build_phased, run_phased
 from .plan import Plan, _ShapeGroup
 
 if TYPE_CHECKING:
     from ..optimizer import HybridMuonOptimizer
-
-
-@functools.cache
-def _dtensor_class() -> type | None:
-    """``torch.distributed.tensor.DTensor``, imported on first use; ``None`` for a torch built without distributed."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
-
-
-def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2-sharded tensor)."""
-    cls = _dtensor_class()
-    return cls is not None and isinstance(t, cls)
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (sharing its storage under ``no_grad``), else ``t``."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -60,7 +41,7 @@ def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
     torch._foreach_copy_(targets, _unflatten_dense_tensors(flat, targets))
 
 
-#: Elements per block of the first pass of :meth:`_Segments.sums`. torch's CUDA
+#: Elements per block of the first pass of :meth:`Segments.sums`. torch's CUDA
 #: ``segment_reduce`` gives each output one thread that walks its whole segment, so one
 #: 1024 x 1024 matrix as one segment is a million serial additions (1.7 s per step for
 #: eight 4096 x 4096 matrices on an H200, 2026-11-23); cut into blocks of this size the first
@@ -68,7 +49,7 @@ def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
 SEGMENT_BLOCK = 1024
 
 
-class _Segments:
+class Segments:
     """Where the matrices lie in a rank's flat Muon buffer, for Magma's per-matrix sums.
 
     The buffer is cut into consecutive segments of ``lengths`` elements (a list); segment
@@ -191,7 +172,7 @@ def _local_muon(
     grads: dict[int, torch.Tensor],
     flat_grad: torch.Tensor,
     ok: torch.Tensor,
-    segments: _Segments,
+    segments: Segments,
     reduce: Callable[[torch.Tensor], Any] | None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Decay, momentum and Magma of the Muon parameters ``muon`` (plan order), on local tensors.
@@ -249,14 +230,14 @@ def _local_muon(
     return locals_, flat_p, update, damp
 
 
-def _local_elementwise(
+def local_elementwise(
     opt: HybridMuonOptimizer,
     group: dict[str, Any],
     plan: Plan,
     device: torch.device,
     shared: torch.Tensor | None,
     agree: Callable[[torch.Tensor], Any] | None,
-    segments: _Segments,
+    segments: Segments,
     reduce: Callable[[torch.Tensor], Any] | None,
 ) -> tuple[F.GroupSettings, torch.Tensor, tuple[Any, ...] | None]:
     """The elementwise half of both distributed steps, on this rank's local tensors.
@@ -309,9 +290,6 @@ class OwnedKernels:
         self.ids = torch.cat([g.matrix_ids for g in groups]) if groups else None
 
     def _build(self, dtype: torch.dtype, use_gram: bool) -> None:
-        from ..engine import compilation
-        from ..engine.layout import assign, build_fused, build_phased
-
         self.key, self.fused, self.phased, self.covered = (dtype, use_gram), [], [], set()
         self.pending, self.ready = None, False
         if not self.groups or not compilation.triton_runs_on(self.device):
@@ -337,8 +315,6 @@ class OwnedKernels:
         """Switch to the launches once their compilation is over and none of them failed."""
         if self.ready or self.pending is None or not self.pending.is_set():
             return
-        from ..engine import compilation
-
         # Set also when a variant failed: asking again answers None then.
         self.pending = compilation.request(self.device, self.key[0], self._paths(), False)  # type: ignore[index]
         self.ready = self.pending is not None
@@ -365,8 +341,6 @@ class OwnedKernels:
         self._poll()
         if not self.ready:
             return set()
-        from ..engine.layout import run_phased
-
         scaling = (settings.lr_adjust, settings.lr_adjust_coeff)  # all functional.muon_scale reads
         if scaling != self._scaling or self._scale is None:  # the first step, or lr_adjust changed
             # filled on the device (no copy from the host, which would make it wait for the GPU)
@@ -400,7 +374,7 @@ def kernels_summary(kernels: OwnedKernels | None, groups: list[_ShapeGroup]) -> 
     return {"kernels": kernels.state, "torch_matrices": kernels.torch_shapes()}
 
 
-def _orthogonalize_owned(
+def orthogonalize_owned(
     settings: F.GroupSettings,
     owned: torch.Tensor,
     groups: list[_ShapeGroup],
@@ -427,7 +401,7 @@ def _orthogonalize_owned(
         out[sg.start : sg.start + n].copy_(d.reshape(-1))
 
 
-def _apply_delta(
+def apply_delta(
     flat_p: torch.Tensor, locals_: list[torch.Tensor], delta: torch.Tensor, ok: torch.Tensor, lr: float
 ) -> None:
     """``p -= lr * delta`` (not when the gate ``ok`` is 0), then the parameters written back."""
@@ -435,6 +409,6 @@ def _apply_delta(
     _write_back(locals_, flat_p)
 
 
-def _wire_dtype(work: torch.dtype) -> torch.dtype:
+def wire_dtype(work: torch.dtype) -> torch.dtype:
     """The dtype matrices travel in: it holds the update and every delta exactly (bfloat16/float16 -> float32)."""
     return torch.promote_types(work, torch.float32)

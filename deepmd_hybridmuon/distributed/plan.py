@@ -1,7 +1,11 @@
 """Who orthogonalises what: the plan (metadata only, the same on every rank), owned layouts, collectives.
 
-Every collective of the package goes through :func:`_collective`, which
-:func:`trace_collectives` records (the tests compare the sequences of all ranks).
+Every collective of the two distributed steps (:mod:`.fsdp`, :mod:`.ddp`) goes through
+:func:`_collective`, which :func:`trace_collectives` records (the tests compare the sequences
+of all ranks). Outside it: the optimizer's all-reduce of the finite gate
+(``nonfinite_across_ranks``, once per ``step()``), and DTensor's own redistributions of state
+that does not have the parameter's layout (a gradient laid out otherwise, a replicated Magma
+score from a checkpoint), which happen alike on every rank.
 """
 
 from __future__ import annotations

@@ -8,9 +8,7 @@ that the way kernels are compiled (today :func:`deepmd_hybridmuon.kernels.prepar
 * :func:`kernels`: the kernels module (imported on first use: it imports Triton);
 * :func:`request`: ask for the variants a layout launches; returns an object with
   ``is_set()`` / ``wait(timeout)`` that is set once they are compiled, or ``None`` when
-  one of them cannot be compiled (the engine then keeps the torch path);
-* :func:`compiling`: whether some compilation is still running in the background (no
-  CUDA graph is captured meanwhile).
+  one of them cannot be compiled (the engine then keeps the torch path).
 """
 
 from __future__ import annotations
@@ -27,6 +25,10 @@ __all__ = ["kernels", "request", "triton_runs_on"]
 _KERNELS = f"{__package__.rpartition('.')[0]}.kernels"
 
 
+#: The kernels' bfloat16 tensor-core products need compute capability 8.0 (A100) or newer.
+MIN_CAPABILITY = (8, 0)
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether the Triton kernels can run on ``device``.
 
@@ -37,8 +39,8 @@ def triton_runs_on(device: torch.device) -> bool:
         return False
     if device.type not in ("cuda", "cpu"):
         return False
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        return False  # bfloat16 tensor-core products need compute capability 8.0 (A100) or newer
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+        return False
     try:
         kernels()
     except ImportError:

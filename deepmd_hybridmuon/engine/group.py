@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from ..distributed import is_dtensor
+from ..dtensor import is_dtensor
 from . import compilation
 from .batched import BatchedStep, StepInputs
 from .execution import Executor
