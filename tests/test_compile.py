@@ -97,8 +97,10 @@ def test_the_real_worker_reports_each_variant_and_the_engine_keeps_the_torch_pat
     assert not caplog.text
 
 
-def test_a_compile_process_that_dies_fails_its_variants(monkeypatch, caplog):
-    monkeypatch.setattr(K, "registry", K.KernelRegistry(worker=[sys.executable, "-c", "import sys; sys.exit(3)"]))
+def test_a_compile_process_that_dies_fails_its_variants(monkeypatch, caplog, tmp_path):
+    # Each registry here has an empty ledger: on a GPU machine Triton's cache may hold the real variants.
+    dies = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    monkeypatch.setattr(K, "registry", K.KernelRegistry(worker=dies, ledger=tmp_path))
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
         pending = K.prepare(GPU, torch.float32, PATHS[:1], magma=False)
         assert pending is not None and pending.wait(60)
@@ -108,7 +110,7 @@ def test_a_compile_process_that_dies_fails_its_variants(monkeypatch, caplog):
 
 def test_variants_in_flight_are_not_compiled_twice(monkeypatch, tmp_path):
     marker = tmp_path / "started"
-    registry = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)])
+    registry = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=tmp_path / "ledger")
     monkeypatch.setattr(K, "registry", registry)
     try:
         first = K.prepare(GPU, torch.float32, PATHS, magma=True)
