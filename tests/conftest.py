@@ -266,7 +266,7 @@ def kernels() -> Iterator[tuple[Any, torch.device]]:
         from deepmd_hybridmuon import kernels as K
 
         mp = pytest.MonkeyPatch()
-        mp.setattr(K, "registry", K.KernelRegistry(background=False))  # the kernels from the first step on
+        mp.setattr(K.compile, "registry", K.KernelRegistry(background=False))  # the kernels from the first step on
         yield K, torch.device("cuda")
         mp.undo()
         return
@@ -296,7 +296,7 @@ def interpreter_workarounds() -> pytest.MonkeyPatch:
 
     mp = pytest.MonkeyPatch()
     mp.setattr(interpreter, "_patch_lang_tensor", patch)
-    mp.setattr(K, "STANDARD_WORK_DTYPE", torch.float16)
+    mp.setattr(K.common, "STANDARD_WORK_DTYPE", torch.float16)
     return mp
 
 

@@ -48,14 +48,14 @@ def test_interpreter_exits_cleanly_while_a_compile_is_in_flight(tmp_path, worker
 
         # An empty ledger: on a GPU machine the real variants may already be in Triton's cache,
         # which would load them in-process and start no (stand-in) compile process at all.
-        K.registry = K.KernelRegistry(
+        K.compile.registry = K.KernelRegistry(
             worker=[sys.executable, "-c", {worker!r}, {str(marker)!r}], ledger=Path({str(tmp_path / "ledger")!r})
         )
         pending = K.prepare(torch.device("cuda", 0), torch.float32, {PATHS!r}, magma=True)
         deadline = time.monotonic() + 60
         while not __import__("os").path.exists({str(marker)!r}) and time.monotonic() < deadline:
             time.sleep(0.05)
-        print("pid", K.registry.workers[0].process.pid)
+        print("pid", K.compile.registry.workers[0].process.pid)
         print("set", pending.is_set())
         print("threads", sorted(t.name for t in threading.enumerate()))
         """
@@ -82,7 +82,7 @@ def test_the_real_worker_reports_each_variant_and_the_engine_keeps_the_torch_pat
     # reported back, logged once, and remembered (no second attempt).
     if torch.cuda.is_available():
         pytest.skip("on a GPU the variants compile; tests/test_kernels.py covers that path")
-    monkeypatch.setattr(K, "registry", K.KernelRegistry())
+    monkeypatch.setattr(K.compile, "registry", K.KernelRegistry())
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
         pending = K.prepare(GPU, torch.float32, PATHS, magma=True)
         assert pending is not None and not pending.is_set()  # a child process compiles
@@ -100,7 +100,7 @@ def test_the_real_worker_reports_each_variant_and_the_engine_keeps_the_torch_pat
 def test_a_compile_process_that_dies_fails_its_variants(monkeypatch, caplog, tmp_path):
     # Each registry here has an empty ledger: on a GPU machine Triton's cache may hold the real variants.
     dies = [sys.executable, "-c", "import sys; sys.exit(3)"]
-    monkeypatch.setattr(K, "registry", K.KernelRegistry(worker=dies, ledger=tmp_path))
+    monkeypatch.setattr(K.compile, "registry", K.KernelRegistry(worker=dies, ledger=tmp_path))
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
         pending = K.prepare(GPU, torch.float32, PATHS[:1], magma=False)
         assert pending is not None and pending.wait(60)
@@ -111,7 +111,7 @@ def test_a_compile_process_that_dies_fails_its_variants(monkeypatch, caplog, tmp
 def test_variants_in_flight_are_not_compiled_twice(monkeypatch, tmp_path):
     marker = tmp_path / "started"
     registry = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=tmp_path / "ledger")
-    monkeypatch.setattr(K, "registry", registry)
+    monkeypatch.setattr(K.compile, "registry", registry)
     try:
         first = K.prepare(GPU, torch.float32, PATHS, magma=True)
         second = K.prepare(GPU, torch.float32, PATHS, magma=True)  # another param_group, same variants
@@ -133,7 +133,7 @@ REPORTS_OK = (
 
 def test_variants_already_in_the_cache_load_at_once_without_a_compile_process(monkeypatch, tmp_path):
     loaded: list[tuple] = []
-    monkeypatch.setattr(K, "_compile", lambda key, device: loaded.append(key))
+    monkeypatch.setattr(K.compile, "_compile", lambda key, device: loaded.append(key))
     ledger = tmp_path / "ledger"
     # First run: the variants compile in a child process, then load here.
     first = K.KernelRegistry(worker=[sys.executable, "-c", REPORTS_OK], ledger=ledger)

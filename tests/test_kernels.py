@@ -343,12 +343,12 @@ def test_momentum_kernel_matches_the_reference(kernels, dtype):
 
 def test_a_kernel_that_does_not_compile_leaves_the_torch_path(monkeypatch, caplog):
     K = pytest.importorskip("deepmd_hybridmuon.kernels")
-    monkeypatch.setattr(K, "registry", K.KernelRegistry(background=False))
+    monkeypatch.setattr(K.compile, "registry", K.KernelRegistry(background=False))
 
     def broken(key, device):
         raise RuntimeError("unsupported instruction")
 
-    monkeypatch.setattr(K, "_compile", broken)
+    monkeypatch.setattr(K.compile, "_compile", broken)
     gpu = torch.device("cuda", 0)  # only named: the broken compiler never touches it
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
         assert K.prepare(gpu, torch.float32, [(True, 64, 512)], magma=True) is None

@@ -289,7 +289,7 @@ def test_triton_engine_skips_a_non_finite_step(kernels, bad):
 def test_first_steps_take_the_torch_path_while_triton_compiles(kernels, monkeypatch, tmp_path):
     K, device = kernels
     # as in a fresh process whose Triton cache has never held the variants (an empty ledger)
-    monkeypatch.setattr(K, "registry", K.KernelRegistry(ledger=tmp_path))
+    monkeypatch.setattr(K.compile, "registry", K.KernelRegistry(ledger=tmp_path))
     options = {"enable_gram": True, "magma_muon": True, "dtype": torch.float32}
     _, opt = _run("engine", True, device, KERNEL_SHAPES, 1, options)
     row = opt.execution_table()[0]

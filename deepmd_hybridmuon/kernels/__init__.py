@@ -34,17 +34,14 @@ for the standard iteration, float16 for the Gram iteration, normalisation in flo
 summation order of the products differs from cuBLAS, so results agree with the torch path
 to rounding.
 
-Settings that tests and callers assign on this package (``STANDARD_WORK_DTYPE``,
-``GRAM_WORK_DTYPE``, the process-wide ``registry`` and ``_compile``) live in the module that
-reads them; reading or assigning them here reads or assigns them there.
+Settings live in the module that reads them, and are changed there: the workspace dtypes
+``common.STANDARD_WORK_DTYPE`` / ``common.GRAM_WORK_DTYPE`` (the tests use float16 under
+Triton's interpreter) and the process-wide ``compile.registry``.
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
-from . import common, compile  # the modules of the settings below; every module is an attribute
+from . import common, compile  # the modules holding the settings (module docstring)
 from .common import (
     CHUNK,
     MAX_ROWS,
@@ -91,7 +88,6 @@ from .spans import SPAN, SPAN_COLS, SpanColumn, apply_updates, gather, momentum_
 __all__ = [
     "CHUNK",
     "DST",
-    "GRAM_WORK_DTYPE",
     "MAGMA_CHUNK",
     "MAX_PHASED_ROWS",
     "MAX_ROWS",
@@ -103,7 +99,6 @@ __all__ = [
     "RESIDENT_ELEMENTS",
     "SPAN",
     "SPAN_COLS",
-    "STANDARD_WORK_DTYPE",
     "TILE",
     "KernelRegistry",
     "MetaColumn",
@@ -114,6 +109,8 @@ __all__ = [
     "SpanColumn",
     "apply_updates",
     "coefficient_table",
+    "common",
+    "compile",
     "compile_worker",
     "gather",
     "gram_constants",
@@ -134,33 +131,8 @@ __all__ = [
     "phased_tiles",
     "phased_workspace",
     "prepare",
-    "registry",
     "resident",
     "span_table",
     "wait_ready",
     "work_dtype",
 ]
-
-# Module-level settings, by the module that reads them (see the module docstring).
-_SETTINGS: dict[str, types.ModuleType] = {
-    "STANDARD_WORK_DTYPE": common,
-    "GRAM_WORK_DTYPE": common,
-    "registry": compile,
-    "_compile": compile,
-}
-
-
-def _setting(owner: types.ModuleType, name: str) -> property:
-    """``name`` of this package read from and assigned to ``owner`` (a data descriptor of the module type)."""
-    return property(lambda _: getattr(owner, name), lambda _, value: setattr(owner, name, value))
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_SETTINGS})
-
-
-# The settings as properties of this module's type: they take precedence over the module's
-# own namespace, for reads and assignments alike (monkeypatch restores them as any attribute).
-sys.modules[__name__].__class__ = types.new_class(
-    "_Package", (types.ModuleType,), {}, lambda ns: ns.update({k: _setting(m, k) for k, m in _SETTINGS.items()})
-)
