@@ -1,8 +1,9 @@
 """The HybridMuon optimizer: validation, state, and the step.
 
-The math lives in :mod:`deepmd_hybridmuon.functional`; this module decides which
-rule each parameter gets, keeps the per-parameter state in the layout of
-deepmd-kit 3.2.0's built-in optimizer, and checks every user input.
+The math lives in :mod:`deepmd_hybridmuon.functional`, the reference step of a group in
+:mod:`deepmd_hybridmuon.loop`; this module decides which rule each parameter gets, keeps the
+per-parameter state in the layout of deepmd-kit 3.2.0's built-in optimizer, checks every user
+input (:mod:`deepmd_hybridmuon.validation`) and chooses, per group, how the step runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
-from . import distributed
+from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine
 from .validation import validate_group
@@ -37,7 +38,7 @@ _OPTIMIZER_KEYS: frozenset[str] = frozenset(
 #: * ``"engine"`` (default): the flat engine (:mod:`deepmd_hybridmuon.engine`), its arithmetic
 #:   captured in a CUDA graph after two eager steps on CUDA;
 #: * ``"engine-eager"``: the flat engine, every step eager;
-#: * ``"loop"``: the per-parameter loop of this module, the specification.
+#: * ``"loop"``: the per-parameter loop (:mod:`deepmd_hybridmuon.loop`), the specification.
 IMPLEMENTATIONS: tuple[str, ...] = ("engine", "engine-eager", "loop")
 #: State tensors kept in float32 whatever the parameter dtype (torch's load_state_dict
 #: casts them to the parameter dtype; we cast them back).
@@ -136,7 +137,7 @@ class HybridMuonOptimizer(Optimizer):
     (:mod:`deepmd_hybridmuon.distributed`); under DDP the replicas can share the
     Newton–Schulz work (``ddp_split``).
 
-    Implementations: the per-parameter loop in this class is the specification; the flat
+    Implementations: the per-parameter loop (:mod:`deepmd_hybridmuon.loop`) is the specification; the flat
     engine (:mod:`deepmd_hybridmuon.engine`) computes the same step in batched kernels, with
     Triton kernels (:mod:`deepmd_hybridmuon.kernels`) on CUDA, replayed as a CUDA graph, and
     is tested against it (:data:`IMPLEMENTATIONS`; :meth:`execution_table` says which runs).
@@ -402,7 +403,7 @@ class HybridMuonOptimizer(Optimizer):
             self._ddp_ran.pop(index, None)
             engine = self._engine(index, group)
             if engine is None:
-                self._step_group(group, shared)
+                loop.step_group(self.state, group, self.route_of, shared)
             else:
                 engine.step(group, shared)
 
@@ -507,118 +508,3 @@ class HybridMuonOptimizer(Optimizer):
             fresh = engine is not None and engine.signature == self._engine_signature(group)
             rows.append(engine.summary() if fresh else {"implementation": "loop"})
         return rows
-
-    def _step_group(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
-        settings = F.GroupSettings.of(group)
-        muon: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], torch.Tensor]] = []
-        active = [p for p in group["params"] if p.grad is not None and p.numel() > 0]
-        if not active:
-            return
-        grads = [self._grad_of(p) for p in active]
-        # ``shared``: already agreed across ranks (nonfinite_across_ranks)
-        ok = shared if shared is not None else F.finite_gate(grads)
-        gates = {ok.device: ok}  # the one gate, copied to each device the group's parameters live on
-        for p, grad in zip(active, grads, strict=True):
-            if grad.device not in gates:
-                gates[grad.device] = ok.to(grad.device)
-            route = self.route_of(p, group)
-            if route.route == "muon":
-                assert route.view is not None  # route_parameter gives a view for every Muon route
-                muon.append((p, grad, route.view, gates[grad.device]))
-                continue
-            self._adam(p, grad, settings, settings.adam_decay(route.route), gates[grad.device])
-        if muon:
-            self._muon(settings, muon)
-
-    @staticmethod
-    def _grad_of(p: torch.Tensor) -> torch.Tensor:
-        """``p.grad``; a DTensor gradient laid out like its DTensor parameter (FSDP2's already is)."""
-        grad = p.grad
-        assert grad is not None
-        if distributed.is_dtensor(p) and distributed.is_dtensor(grad):
-            if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
-                grad = grad.redistribute(p.device_mesh, p.placements)
-        return grad
-
-    def _local_state(self, p: torch.Tensor, key: str) -> torch.Tensor:
-        """The local shard of the parameter-shaped state ``key`` of ``p`` (the tensor itself if not sharded).
-
-        A full tensor under a DTensor parameter (a single-process checkpoint loaded with
-        ``load_state_dict`` under FSDP2) is sharded like the parameter first.
-        """
-        state = self.state[p]
-        value = state[key]
-        if distributed.is_dtensor(p) and not distributed.is_dtensor(value) and value.shape == p.shape:
-            from torch.distributed.tensor import distribute_tensor
-
-            value = state[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
-        return distributed.local_shard(value)
-
-    def _advance_adam_state(self, p: torch.Tensor, settings: F.GroupSettings) -> dict[str, Any]:
-        """The Adam state of ``p`` (created at the first step: float32 moments) with this step's powers beta^t."""
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)  # a DTensor for a DTensor p
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            state["beta1_pow"] = 1.0
-            state["beta2_pow"] = 1.0
-        state["beta1_pow"] *= settings.beta1
-        state["beta2_pow"] *= settings.beta2
-        return state
-
-    def _adam(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        settings: F.GroupSettings,
-        decay: float | None,
-        ok: torch.Tensor,
-    ) -> None:
-        state = self._advance_adam_state(p, settings)
-        F.adam_update_(
-            p,
-            grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            beta1=settings.beta1,
-            beta2=settings.beta2,
-            beta1_pow=state["beta1_pow"],
-            beta2_pow=state["beta2_pow"],
-            lr=settings.adam_lr,
-            decay_factor=decay,
-            ok=ok,
-        )
-
-    def _muon(
-        self,
-        settings: F.GroupSettings,
-        entries: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], torch.Tensor]],
-    ) -> None:
-        """Muon, one parameter at a time (parameters are independent; one full matrix alive at a time).
-
-        ``entries``: parameter, gradient, ``(batch, rows, cols)`` view and the finite gate on the parameter's device.
-        """
-        for p, grad, (bs, rows, cols), ok in entries:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad)
-            buf = state["momentum_buffer"]
-            g = F.sanitize(grad.to(buf.dtype), ok)
-            if settings.weight_decay > 0:
-                p.mul_(F.gate_factor(settings.muon_decay, ok, p.dtype))
-            update = F.nesterov_momentum_(buf, g, settings.momentum, ok)
-
-            damp = None
-            if settings.magma:
-                score = state.get("magma_score")
-                if score is None or score.shape != (bs,) or score.device != p.device:
-                    score = torch.full((bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=p.device)
-                    state["magma_score"] = score
-                raw = F.magma_raw_score(buf.reshape(bs, -1), g.reshape(bs, -1))
-                damp = F.magma_scale_(score, raw, ok)
-
-            orth = F.orthogonalize(update.reshape(bs, rows, cols), settings.use_gram)
-            delta = orth * settings.scale(rows, cols)
-            if damp is not None:
-                delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
-            p.addcmul_(delta.reshape(p.shape), ok.to(p.dtype) * -settings.lr)

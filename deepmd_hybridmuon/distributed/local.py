@@ -15,6 +15,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import functional as F
+from .. import loop
 from ..dtensor import is_dtensor, local_shard
 from ..engine import compilation
 from ..engine.layout import assign, build_fused, build_phased, run_phased
@@ -115,7 +116,7 @@ def _local_inputs(
         if layout.route == "muon":
             continue
         p = group["params"][layout.index]
-        state = opt._advance_adam_state(p, settings)
+        state = loop.advance_adam_state(opt.state, p, settings)
         decay = settings.adam_decay(layout.route)
         key = (p.dtype, p.device, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
         if key not in by_key:
@@ -142,8 +143,8 @@ def _local_adam(
         assert b.grad is not None  # _flat_grads ran
         locals_ = [local_shard(p) for p in b.params]
         moments = (
-            [opt._local_state(p, "exp_avg") for p in b.params],
-            [opt._local_state(p, "exp_avg_sq") for p in b.params],
+            [loop.local_state(opt.state, p, "exp_avg") for p in b.params],
+            [loop.local_state(opt.state, p, "exp_avg_sq") for p in b.params],
         )
         flat_p, flat_m, flat_v = _flat(locals_), _flat(moments[0]), _flat(moments[1])
         F.adam_update_(
@@ -194,7 +195,7 @@ def _local_muon(
         state = opt.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grads[id(p)])  # a DTensor for a DTensor p
-    bufs = [opt._local_state(p, "momentum_buffer") for p in muon]
+    bufs = [loop.local_state(opt.state, p, "momentum_buffer") for p in muon]
     work = bufs[0].dtype
     locals_ = [local_shard(p) for p in muon]
     flat_p = _flat(locals_)
@@ -248,7 +249,7 @@ def local_elementwise(
     the group's settings, the gate and :func:`_local_muon`'s result (``None`` without Muon matrices).
     """
     active = [group["params"][layout.index] for layout in plan.params]
-    grads = {id(p): opt._grad_of(p) for p in active}
+    grads = {id(p): loop.grad_of(p) for p in active}
     inputs = _local_inputs(opt, group, plan, grads, device)
     ok = inputs.ok if shared is None else torch.minimum(inputs.ok, shared.to(device))
     if agree is not None:

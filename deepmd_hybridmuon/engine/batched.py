@@ -1,6 +1,6 @@
 """The arithmetic of one flat-engine step, on the buffers of a :class:`~.layout.Layout`.
 
-The step is the per-parameter loop's (``HybridMuonOptimizer._step_group``), batched:
+The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`), batched:
 
 * in: the gradients sit in the flat gradient buffer (the torch path: copied there by
   :mod:`.execution`; the Triton path: one launch reads them through their addresses and

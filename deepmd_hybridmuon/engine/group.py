@@ -117,7 +117,7 @@ class GroupEngine:
         return self.compiling is not None and self.compiling.is_set()
 
     def step(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
-        """One step of the whole group, as the loop's ``_step_group(group, shared)``.
+        """One step of the whole group, as the loop's :func:`~deepmd_hybridmuon.loop.step_group`.
 
         ``shared`` is the finite gate agreed across ranks (``nonfinite_across_ranks``), else ``None``.
         """

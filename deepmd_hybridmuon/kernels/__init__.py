@@ -1,8 +1,8 @@
 """Triton kernels of the flat engine: Newton–Schulz and Magma in a few launches per step.
 
 The batched engine (:mod:`deepmd_hybridmuon.engine`) uses this package when ``flash_muon`` is on and Triton can run
-(CUDA, or Triton's CPU interpreter under ``TRITON_INTERPRET=1``). The per-tensor loop in
-``optimizer.py`` and the functions of :mod:`deepmd_hybridmuon.functional` stay the
+(CUDA, or Triton's CPU interpreter under ``TRITON_INTERPRET=1``). The per-tensor loop
+(:mod:`deepmd_hybridmuon.loop`) and the functions of :mod:`deepmd_hybridmuon.functional` stay the
 specification; these kernels compute the same functions (``newton_schulz``,
 ``gram_newton_schulz``, ``magma_score``/``magma_scale_``, ``nesterov_momentum_``) in fewer
 launches, and read every schedule and constant from ``functional``: the coefficient rows
