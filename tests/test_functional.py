@@ -521,3 +521,26 @@ def test_finite_gate(values: list[float], expected: float, dtype: torch.dtype) -
     assert F.finite_gate([bad]).item() == expected
     assert F.finite_gate([fine, bad]).item() == expected  # mixed dtypes, one flag
     assert F.finite_gate([fine]).dtype == torch.float32
+
+
+def test_the_written_out_algorithm_states_the_specifications_constants() -> None:
+    """The optimizer's docstring and the schema's Magma doc quote functional.py's constants, not other numbers."""
+    from deepmd_hybridmuon import HybridMuonOptimizer
+    from deepmd_hybridmuon.schema import hybrid_muon_arguments
+
+    doc = " ".join((HybridMuonOptimizer.__doc__ or "").split())
+    a, b, c = F.NS_FAST_COEFFS
+    assert f"{F.NS_FAST_STEPS} iterations with ({a:.4f}, {b:.4f}, {c:.4f})" in doc
+    assert f"{F.NS_POLISH_STEPS} with ({', '.join(f'{x:g}' for x in F.NS_POLISH_COEFFS)})" in doc
+    steps = {5: "five"}[len(F.POLAR_EXPRESS_COEFFS)]
+    ordinal = {2: "third"}[min(F.GRAM_RESTART_ITERATIONS)]  # 0-based iteration index
+    assert (
+        f"{steps} Polar Express steps (safety factor {F.GRAM_SAFETY_FACTOR:g}), restarted before the {ordinal}" in doc
+    )
+    assert f"sigmoid(cos(m, g)/{F.MAGMA_TAU:g})" in doc
+    decay, floor = F.MAGMA_EMA_DECAY, F.MAGMA_MIN_SCALE
+    assert f"{decay:g}\\sigma + {1 - decay:g} r` (from {F.MAGMA_INITIAL_SCORE:g})" in doc
+    assert f"d = {floor:g} + {1 - floor:g}\\sigma" in doc
+    assert f"\\epsilon = 10^{{{math.log10(F.ADAM_EPS):.0f}}}" in doc
+    magma = " ".join(next(a for a in hybrid_muon_arguments() if a.name == "magma_muon").doc.split())
+    assert f"{floor:g} + {1 - floor:g}*score, score an EMA ({decay:g}, from {F.MAGMA_INITIAL_SCORE:g})" in magma
