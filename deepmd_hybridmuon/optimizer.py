@@ -263,8 +263,15 @@ class HybridMuonOptimizer(Optimizer):
 
         Keys of the constructor that are no group hyperparameters (``flash_muon``,
         ``use_foreach``, ``nonfinite_across_ranks``, ``ddp_split``) are dropped: ``ZeroRedundancyOptimizer``
-        copies every constructor keyword into the groups it hands to its local optimizer.
+        copies every constructor keyword into the groups it hands to its local optimizer. A
+        value other than the optimizer's own is refused: it would not apply to the group.
         """
+        for key in ("flash_muon", "nonfinite_across_ranks", "ddp_split"):
+            if key in param_group and param_group[key] != getattr(self, key):
+                raise ValueError(
+                    f"Invalid param_group key {key}: {param_group[key]!r}; it is a setting of the whole optimizer "
+                    f"({getattr(self, key)!r} here), given to the constructor, not per param_group"
+                )
         param_group = {k: v for k, v in param_group.items() if k not in _OPTIMIZER_KEYS}
         super().add_param_group(param_group)
         try:

@@ -137,6 +137,24 @@ def test_optimizer_level_keys_in_a_group_are_dropped() -> None:
     assert set(opt.param_groups[0]) == {"params", *GROUP_KEYS}
 
 
+@pytest.mark.parametrize(
+    ("key", "value"), [("flash_muon", False), ("nonfinite_across_ranks", True), ("ddp_split", "always")]
+)
+def test_an_optimizer_setting_of_another_value_in_a_group_is_refused(key: str, value: object) -> None:
+    # It would be dropped, and the group would run with the optimizer's setting instead.
+    opt = HybridMuonOptimizer([_param()])
+    default = getattr(opt, key)
+    message = (
+        f"Invalid param_group key {key}: {value!r}; it is a setting of the whole optimizer ({default!r} here), "
+        "given to the constructor, not per param_group"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        opt.add_param_group({"params": [_param()], key: value})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [_param()], key: default})  # the same value: ZeRO-1's copy
+    assert len(opt.param_groups) == 2
+
+
 def test_bad_use_foreach() -> None:
     with pytest.raises(ValueError, match=r"^Invalid use_foreach: 'yes'; expected true, false or None$"):
         HybridMuonOptimizer([_param()], use_foreach="yes")
