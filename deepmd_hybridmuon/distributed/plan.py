@@ -11,6 +11,7 @@ score from a checkpoint), which happen alike on every rank.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,24 +23,28 @@ from .. import functional as F
 
 # ----------------------------------------------------------------------------- collectives
 
-_trace: list[tuple[str, tuple[int, ...]]] | None = None
+#: The record of the innermost :func:`trace_collectives` (per thread and task), or ``None``.
+_TRACE: contextvars.ContextVar[list[tuple[str, tuple[int, ...]]] | None] = contextvars.ContextVar(
+    "deepmd_hybridmuon_collective_trace", default=None
+)
 
 
 @contextlib.contextmanager
 def trace_collectives() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
     """Record the collectives this module issues: ``(kind, sizes)`` per call, in order."""
-    global _trace
-    previous, _trace = _trace, []
+    record: list[tuple[str, tuple[int, ...]]] = []
+    token = _TRACE.set(record)
     try:
-        yield _trace
+        yield record
     finally:
-        _trace = previous
+        _TRACE.reset(token)
 
 
 def _collective(kind: str, sizes: tuple[int, ...], fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call the collective ``fn``; the single door every collective of this module goes through."""
-    if _trace is not None:
-        _trace.append((kind, sizes))
+    """Call the collective ``fn``; the single door every collective of the distributed steps goes through."""
+    record = _TRACE.get()
+    if record is not None:
+        record.append((kind, sizes))
     return fn(*args, **kwargs)
 
 
