@@ -34,11 +34,12 @@ from .layout import Layout, run_phased
 
 __all__ = ["SCALARS", "BatchedStep", "Lanes", "StepInputs"]
 
-#: The step's scalars shared by the whole group: Muon decay, -lr, AdamW decay, momentum, 1 - momentum,
-#: 1 - beta1, 1 - beta2 (read from the group every step: a scheduler may change any of them). Two per Adam
-#: parameter follow them (its -step size, then its second bias correction): each keeps its own step count,
-#: as in the loop.
-SCALARS = 7
+#: The step's scalars, read from the group every step (a scheduler may change any of them). First those
+#: used in the parameters' dtype: Muon decay, -lr, AdamW decay, momentum, 1 - momentum.
+PARAM_DTYPE_SCALARS = 5
+#: Then those used in float32: 1 - beta1, 1 - beta2; two per Adam parameter follow them (its -step size,
+#: then its second bias correction: each keeps its own step count, as in the loop).
+SCALARS = PARAM_DTYPE_SCALARS + 2
 
 
 class StepInputs:
@@ -115,9 +116,9 @@ class BatchedStep:
         else:
             ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.grad])
         scalars = self.inputs.scalars
-        shared = scalars[:SCALARS].to(L.dtype)
+        shared = scalars[:PARAM_DTYPE_SCALARS].to(L.dtype)
         muon_decay, neg_lr, adamw_decay = shared[:3].unbind(0)
-        betas = shared[3:5]  # momentum, 1 - momentum
+        betas = shared[3:]  # momentum, 1 - momentum
         # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
         # Nesterov update exists; captured, it runs on side streams while the main stream does
         # Adam, the weight decay, Magma and the Triton launches (see _muon_update).
@@ -125,9 +126,9 @@ class BatchedStep:
         muon_decay = F.gate_factor(muon_decay, ok, L.dtype)
         adamw_decay = F.gate_factor(adamw_decay, ok, L.dtype)
         if L.adam:  # each parameter's pair of scalars, spread over its elements
-            per_param = scalars[SCALARS:].to(torch.float32).view(2, -1)
-            neg_step, bc2 = per_param.repeat_interleave(L.adam_numels, dim=1, output_size=L.exp_avg.numel())
-            self._adam(neg_step * ok, bc2, ok, scalars[5:7].to(torch.float32))
+            adam = scalars[PARAM_DTYPE_SCALARS:].to(torch.float32)  # 1 - beta1, 1 - beta2, per-parameter pairs
+            neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # one gather kernel
+            self._adam(neg_step * ok, bc2, ok, adam[:2])
         if pending is not None:
             self._muon(neg_lr * ok.to(L.dtype), ok, *pending, lanes)
         self._apply(muon_decay, adamw_decay)

@@ -280,7 +280,9 @@ class Layout:
             state[p]["beta1_pow"] = 1.0
             state[p]["beta2_pow"] = 1.0
         self.adam_states = [state[p] for p in self.adam]  # a loaded state dict rebuilds the engine
-        self.adam_numels = torch.tensor([p.numel() for p in self.adam], dtype=torch.int64, device=self.device)
+        # the index of its parameter in self.adam, per element: spreads per-parameter scalars over the elements
+        numels = torch.tensor([p.numel() for p in self.adam], dtype=torch.int64)
+        self.adam_owner = torch.repeat_interleave(torch.arange(len(self.adam)), numels).to(self.device)
 
     def _build_muon(self, state: dict, group: dict[str, Any], K: ModuleType | None) -> None:
         params = [p for p, _ in self.muon]
