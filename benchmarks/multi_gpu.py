@@ -5,8 +5,10 @@ For each config, stage (0: DDP, 1: ZeRO-1, 2 and 3: FSDP2) and optimizer variant
 ``torchrun --nproc_per_node=N benchmarks/timed_dp.py --pt train input.json`` (``dp`` with
 every optimizer step timed by CUDA events) on a short schedule of a shared config. The
 order of the variants alternates from one stage to the next (ours, adamw, builtin, then
-builtin, adamw, ours, ...) and is recorded; a 1-step run before them computes the data
-statistics file they all load and compiles the Triton kernels into Triton's cache. It reports:
+builtin, adamw, ours, ...) and is recorded; a stage given again in ``--stages`` runs again
+(labelled ``stage0#2`` etc.: pairs repeated in alternating order resolve a small
+difference). A 1-step run before them computes the data statistics file they all load and
+compiles the Triton kernels into Triton's cache. It reports:
 
 * deepmd's average s/batch (the first ``disp_freq`` batches left out);
 * the optimizer step's own time: median over the steps after ``--skip`` of the CUDA-event
@@ -22,6 +24,7 @@ Usage::
     python benchmarks/multi_gpu.py dpa2_small_water dpa3_water dpa4_water --gpus 2 --steps 80 --json out.json
     python benchmarks/multi_gpu.py dpa2_small_water --variants ours --stages 0,1 --single   # plus a 1-GPU run
     python benchmarks/multi_gpu.py dpa4_water --stages 0,2,3,1 --no-ema   # DPA-4 at every stage (EMA off)
+    python benchmarks/multi_gpu.py dpa2_small_water --stages 0,0,0,0 --variants ours,adamw   # stage 0, 4 pairs
 """
 
 from __future__ import annotations
@@ -83,6 +86,11 @@ def _step_ms(times_dir: Path, skip: int) -> dict[str, Any]:
             "host_max_ms": max(host),
             "held_s": sum(t - typical for t in host if t > typical) / 1e3,
         }
+        # the rest of each training step (forward, backward, data), from one step's end to the next's start
+        for kind in ("gpu", "host"):
+            rest = times[name].get(f"between_{kind}_ms", [])[skip:]
+            if rest:
+                per_rank[path.stem][f"between_{kind}_median_ms"] = statistics.median(rest)
     worst = max((r["median_ms"] for r in per_rank.values()), default=None)
     return {"per_rank": per_rank, "slowest_rank_median_ms": worst}
 
@@ -146,6 +154,15 @@ def _held(run: dict[str, Any]) -> float | None:
     return max(values) if values else None
 
 
+def stage_keys(stages: list[int]) -> list[str]:
+    """One key per entry of ``--stages``: the stage, and ``#k`` for its k-th run (``[0, 2, 0]`` -> ``0, 2, 0#2``)."""
+    keys = []
+    for i, stage in enumerate(stages):
+        k = stages[: i + 1].count(stage)
+        keys.append(f"{stage}" if k == 1 else f"{stage}#{k}")
+    return keys
+
+
 def report(results: dict[str, Any]) -> str:
     """Markdown tables of one results dict (per config: s/batch, optimizer step, errors, distances)."""
     lines = []
@@ -157,7 +174,7 @@ def report(results: dict[str, Any]) -> str:
             "| host held s ours / AdamW | final force error ours / AdamW / built-in |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
         ]
-        for stage in results["stages"]:
+        for stage in stage_keys(results["stages"]):
             r = {v: runs.get(f"stage{stage}-{v}", {}) for v in VARIANTS}
             sb = {v: r[v].get("average_s_per_batch") if "problem" not in r[v] else None for v in VARIANTS}
             ms = {v: (r[v].get("optimizer_step") or {}).get("slowest_rank_median_ms") for v in VARIANTS}
@@ -226,11 +243,11 @@ def main() -> int:
         # (a run that computes it ends on slightly different parameters) and waits for the
         # Triton kernels, which the timed runs then find in Triton's cache.
         plan = [("warmup", 1, 0, "ours")] + ([("single-ours", 1, 0, "ours")] if args.single else [])
-        for stage in stages:
+        for stage, key in zip(stages, stage_keys(stages), strict=True):
             for variant in reversed(variants) if flip else variants:
                 if variant == "builtin" and stage not in builtin_stages:
                     continue
-                plan.append((f"stage{stage}-{variant}", args.gpus, stage, variant))
+                plan.append((f"stage{key}-{variant}", args.gpus, stage, variant))
             flip = not flip
         for label, gpus, stage, variant in plan:
             steps = 1 if label == "warmup" else args.steps

@@ -8,8 +8,14 @@ records a CUDA event on the current stream before and after it (the GPU time of 
 collectives included, and any gap while the GPU waits for the host to enqueue its work)
 and the host's ``perf_counter`` before and after it (the time the training loop is held by
 ``step()``: one-time work such as loading kernels or building the engine shows here). At
-the end this rank writes ``{optimizer class: {"gpu_ms": [...], "host_ms": [...]}}`` to
-``$STEP_TIMES_DIR/rank<RANK>.json``.
+the end this rank writes ``{optimizer class: {"gpu_ms": [...], "host_ms": [...],
+"between_gpu_ms": [...], "between_host_ms": [...]}}`` to ``$STEP_TIMES_DIR/rank<RANK>.json``;
+the ``between`` lists time the rest of each training step (from the end of one ``step()`` to
+the start of the next: forward, backward, data, logging), on the GPU and on the host.
+
+With ``HYBRIDMUON_IMPLEMENTATION=<name>`` (``optimizer.IMPLEMENTATIONS``: ``engine``,
+``engine-eager``, ``loop``) deepmd-hybridmuon's optimizer runs that implementation from its
+first step on: a diagnostic, e.g. to tell the CUDA graph's share of a difference.
 
 With ``WAIT_FOR_KERNELS=<seconds>``, after the first step of deepmd-hybridmuon's optimizer
 the run waits (at most that long) for the Triton kernels to compile, so that they land in
@@ -41,6 +47,9 @@ class _Steps:
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.host_ms: list[float] = []
         self.open: tuple[torch.cuda.Event | None, float] | None = None
+        self.closed: tuple[torch.cuda.Event | None, float] | None = None  # the end of the last step
+        self.between: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.between_host_ms: list[float] = []
 
 
 def main() -> int:
@@ -48,23 +57,35 @@ def main() -> int:
     waiting = [float(os.environ["WAIT_FOR_KERNELS"])] if os.environ.get("WAIT_FOR_KERNELS") else []
     steps: dict[int, _Steps] = {}
     cuda = torch.cuda.is_available()
+    implementation = os.environ.get("HYBRIDMUON_IMPLEMENTATION")
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if implementation and type(opt).__module__.startswith("deepmd_hybridmuon"):
+            opt._implementation = implementation  # type: ignore[attr-defined]  (the tests' switch)
         start = torch.cuda.Event(enable_timing=True) if cuda else None
         if start is not None:
             start.record()
-        steps.setdefault(id(opt), _Steps(type(opt).__name__)).open = (start, time.perf_counter())
+        entry = steps.setdefault(id(opt), _Steps(type(opt).__name__))
+        now = time.perf_counter()
+        if entry.closed is not None:
+            end, t_end = entry.closed
+            entry.between_host_ms.append((now - t_end) * 1e3)
+            if end is not None and start is not None:
+                entry.between.append((end, start))
+        entry.open = (start, now)
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         entry = steps.get(id(opt))
         if entry is not None and entry.open is not None:
             start, t0 = entry.open
-            entry.host_ms.append((time.perf_counter() - t0) * 1e3)
+            now = time.perf_counter()
+            entry.host_ms.append((now - t0) * 1e3)
+            end = None
             if start is not None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 entry.events.append((start, end))
-            entry.open = None
+            entry.open, entry.closed = None, (end, now)
         if waiting and type(opt).__module__.startswith("deepmd_hybridmuon"):
             from deepmd_hybridmuon import kernels
 
@@ -84,7 +105,13 @@ def main() -> int:
             for entry in steps.values():
                 key = entry.name if entry.name not in times else f"{entry.name}#{len(times)}"
                 gpu = [start.elapsed_time(end) for start, end in entry.events]
-                times[key] = {"gpu_ms": gpu, "host_ms": entry.host_ms}
+                between = [end.elapsed_time(start) for end, start in entry.between]
+                times[key] = {
+                    "gpu_ms": gpu,
+                    "host_ms": entry.host_ms,
+                    "between_gpu_ms": between,
+                    "between_host_ms": entry.between_host_ms,
+                }
             path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(times))
