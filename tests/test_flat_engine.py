@@ -12,6 +12,7 @@ from test_parity import ADAM_TOL, TORCH_MUON_TOL
 from test_parity import SHAPES as PARITY_SHAPES
 
 from deepmd_hybridmuon import HybridMuonOptimizer
+from deepmd_hybridmuon import functional as F
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -267,3 +268,39 @@ def test_step_leaves_a_device_context_but_keeps_other_torch_function_modes():
     for other in results[1:]:
         for name, value in results[0].items():
             assert torch.equal(other[name], value), name
+
+
+@pytest.mark.parametrize("enable_gram", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_engine_feeds_newton_schulz_the_loops_nesterov_update_exactly(monkeypatch, dtype, enable_gram):
+    # The momentum and its update are elementwise and rounded in the same dtypes as the loop's
+    # (the Nesterov weight in float32, or float64, as torch reads the loop's Python float), so the
+    # matrix handed to Newton-Schulz is the same to the bit once in the iteration's input dtype
+    # (the engine's stacks hold it already); only Newton-Schulz's own rounding differs.
+    fed: list[torch.Tensor] = []
+
+    def recorded(fn):
+        def record(x, *args, **kwargs):
+            fed.append(x.detach().clone())
+            return fn(x, *args, **kwargs)
+
+        return record
+
+    for name in ("newton_schulz", "gram_newton_schulz"):
+        monkeypatch.setattr(F, name, recorded(getattr(F, name)))
+    runs = {}
+    for implementation in ("engine-eager", "loop"):
+        fed.clear()
+        w = torch.nn.Parameter(torch.randn(32, 48, generator=torch.Generator().manual_seed(0)).to(dtype))
+        named = [("layers.0.matrix", w)]
+        opt = make_optimizer([w], implementation, lr=1e-2, named_parameters=named, enable_gram=enable_gram)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            opt.param_groups[0]["momentum"] = 0.95 - 0.01 * step
+            w.grad = torch.randn(w.shape, generator=gen).to(dtype)
+            opt.step()
+        runs[implementation] = list(fed)
+    assert len(runs["engine-eager"]) == len(runs["loop"]) == 3
+    for engine, loop in zip(runs["engine-eager"], runs["loop"], strict=True):
+        engine = engine[..., :32, :48]  # the engine's stack may be zero-padded
+        assert torch.equal(engine, loop.reshape(engine.shape).to(engine.dtype))

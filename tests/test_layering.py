@@ -69,6 +69,9 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
                     continue
             else:
                 module = node.module or ""
+                if module == "deepmd_hybridmuon":  # from deepmd_hybridmuon import optimizer, ...
+                    found += [(f"{module}.{alias.name}", node.lineno, id(node) in top_level) for alias in node.names]
+                    continue
             found.append((module, node.lineno, id(node) in top_level))
     return found
 
@@ -85,9 +88,10 @@ def test_imports_point_one_way(path: Path):
     layer = _layer_of(path)
     for module, line, _ in _imports(path):
         parts = module.split(".")
-        if parts[0] != "deepmd_hybridmuon" or len(parts) < 2 or module == "deepmd_hybridmuon.__version__":
+        if parts[0] != "deepmd_hybridmuon" or module == "deepmd_hybridmuon.__version__":
             continue  # the version string (package metadata) may be read anywhere
-        target = parts[1] if parts[1] in LAYERS else "__init__"  # else a name defined in the package's __init__
+        # a module of the package, or a name its __init__ defines (``import deepmd_hybridmuon`` too)
+        target = parts[1] if len(parts) > 1 and parts[1] in LAYERS else "__init__"
         arrow_is_back = LAYERS.index(target) > LAYERS.index(layer)
         assert not arrow_is_back or (layer, target) in ALLOWED_BACK_ARROWS, (
             f"{path.relative_to(PACKAGE)}:{line} ({layer}) imports {module} ({target}), a layer below it"

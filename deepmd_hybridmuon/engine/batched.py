@@ -34,12 +34,14 @@ from .layout import Layout, run_phased
 
 __all__ = ["SCALARS", "BatchedStep", "Lanes", "StepInputs"]
 
-#: The step's scalars, read from the group every step (a scheduler may change any of them). First those
-#: used in the parameters' dtype: Muon decay, -lr, AdamW decay, momentum, 1 - momentum.
-PARAM_DTYPE_SCALARS = 5
-#: Then those used in float32: 1 - beta1, 1 - beta2; two per Adam parameter follow them (its -step size,
-#: then its second bias correction: each keeps its own step count, as in the loop).
-SCALARS = PARAM_DTYPE_SCALARS + 2
+#: The step's scalars, read from the group every step (a scheduler may change any of them), each in the
+#: dtype the loop uses it in. First, in the parameters' dtype: Muon decay, -lr, AdamW decay, 1 - momentum.
+PARAM_DTYPE_SCALARS = 4
+#: Then the momentum, in the parameters' compute dtype (float32; float64 for float64 parameters), as torch
+#: reads the loop's Python-float weight of the Nesterov ``lerp``; then, in float32: 1 - beta1, 1 - beta2.
+#: After them, every Adam parameter's -step size, then every Adam parameter's second bias correction (each
+#: parameter keeps its own step count, as in the loop).
+SCALARS = PARAM_DTYPE_SCALARS + 3
 
 
 class StepInputs:
@@ -99,9 +101,8 @@ class BatchedStep:
             st["beta2_pow"] *= s.beta2
             neg_steps.append(-s.adam_lr / (1.0 - st["beta1_pow"]))
             bc2.append(1.0 - st["beta2_pow"])
-        shared = [s.muon_decay, -s.lr, s.adamw_decay]
-        shared += [s.momentum, 1.0 - s.momentum, 1.0 - s.beta1, 1.0 - s.beta2]
-        return shared + neg_steps + bc2
+        param_dtype = [s.muon_decay, -s.lr, s.adamw_decay, 1.0 - s.momentum]  # PARAM_DTYPE_SCALARS
+        return [*param_dtype, s.momentum, 1.0 - s.beta1, 1.0 - s.beta2, *neg_steps, *bc2]
 
     # ---------------------------------------------------------------- device
 
@@ -116,9 +117,9 @@ class BatchedStep:
         else:
             ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.grad])
         scalars = self.inputs.scalars
-        shared = scalars[:PARAM_DTYPE_SCALARS].to(L.dtype)
-        muon_decay, neg_lr, adamw_decay = shared[:3].unbind(0)
-        betas = shared[3:]  # momentum, 1 - momentum
+        muon_decay, neg_lr, adamw_decay, one_minus_beta = scalars[:PARAM_DTYPE_SCALARS].to(L.dtype).unbind(0)
+        compute = torch.promote_types(L.dtype, torch.float32)
+        betas = torch.stack([scalars[PARAM_DTYPE_SCALARS].to(compute), one_minus_beta.to(compute)])
         # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
         # Nesterov update exists; captured, it runs on side streams while the main stream does
         # Adam, the weight decay, Magma and the Triton launches (see _muon_update).
@@ -126,7 +127,7 @@ class BatchedStep:
         muon_decay = F.gate_factor(muon_decay, ok, L.dtype)
         adamw_decay = F.gate_factor(adamw_decay, ok, L.dtype)
         if L.adam:  # each parameter's pair of scalars, spread over its elements
-            adam = scalars[PARAM_DTYPE_SCALARS:].to(torch.float32)  # 1 - beta1, 1 - beta2, per-parameter pairs
+            adam = scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per parameter
             neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # one gather kernel
             self._adam(neg_step * ok, bc2, ok, adam[:2])
         if pending is not None:
@@ -162,7 +163,8 @@ class BatchedStep:
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Momentum and Nesterov update of every Muon matrix; starts the torch buckets on it.
 
-        ``betas``: ``[momentum, 1 - momentum]`` in the parameters' dtype.
+        ``betas``: ``[momentum, 1 - momentum]`` in the parameters' compute dtype (float32, or float64),
+        the second rounded through the parameters' dtype first, as in ``functional.nesterov_momentum_``.
 
         Returns the sanitised gradients, the update and the buckets' orthogonalised stacks
         (unscaled; still being computed on the side streams when captured).
@@ -173,8 +175,9 @@ class BatchedStep:
             self.K.momentum_update(grads, L.momentum, update, ok, betas)
         else:
             grads = F.sanitize(L.muon_grad, ok)
-            L.momentum.lerp_(grads, ok.to(L.dtype) * betas[1])
-            update = torch.lerp(grads, L.momentum, betas[0])
+            L.momentum.lerp_(grads, ok.to(L.dtype) * betas[1].to(L.dtype))
+            compute = betas.dtype  # the loop's lerp with a Python-float weight computes in it too
+            update = torch.lerp(grads.to(compute), L.momentum.to(compute), betas[0]).to(L.dtype)
         stacks = []
         for i, b in enumerate(L.buckets):
             with lanes.lane(i):

@@ -21,10 +21,6 @@ import torch
 
 __all__ = ["kernels", "request", "triton_runs_on"]
 
-#: Import name of the kernels module (a sibling of this package).
-_KERNELS = f"{__package__.rpartition('.')[0]}.kernels"
-
-
 #: The kernels' bfloat16 tensor-core products need compute capability 8.0 (A100) or newer.
 MIN_CAPABILITY = (8, 0)
 

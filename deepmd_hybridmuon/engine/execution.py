@@ -5,8 +5,9 @@ Contract of :class:`Executor`:
 * **Static inputs.** ``step.compute`` reads only tensors allocated once: the layout's
   buffers and the step's :class:`~.batched.StepInputs`. Everything that changes from step
   to step enters through :meth:`Executor.stage`, before the arithmetic runs: the
-  learning-rate dependent scalars (and, with the Triton kernels, the gradients'
-  addresses) in ONE host-to-device copy from a pinned buffer, the gradients by a
+  step's scalars (learning rate, decays, momentum, betas, each Adam parameter's bias
+  corrections: :meth:`~.batched.BatchedStep.scalars`; with the Triton kernels also the
+  gradients' addresses) in ONE host-to-device copy from a pinned buffer, the gradients by a
   ``_foreach_copy_`` into the flat gradient buffer (torch path), the finite gate agreed
   across ranks by a device copy. Nothing in a step synchronises the host with the GPU.
 * **Pinned ring.** The host buffers are a ring of four pinned tensors; one is reused

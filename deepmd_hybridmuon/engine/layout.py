@@ -220,8 +220,8 @@ class Layout:
         entry becomes a view of them.
     group
         The param_group (its hyperparameters baked into the tables: ``muon_mode``'s views via
-        ``routes``, ``enable_gram``, ``magma_muon``, ``lr_adjust``, ``lr_adjust_coeff``,
-        ``adam_betas``, ``momentum``, whether ``weight_decay`` > 0).
+        ``routes``, ``enable_gram``, ``magma_muon``, ``lr_adjust``, ``lr_adjust_coeff``, whether
+        ``weight_decay`` > 0; the learning rate, momentum and betas come in with each step).
     kernels
         The Triton kernels module, or ``None`` for the torch path only.
     """

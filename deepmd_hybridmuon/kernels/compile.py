@@ -387,7 +387,8 @@ def _compile(key: tuple[Any, ...], device: torch.device) -> None:
             _phased_kernel.warmup(*args, FIRST=first, STOP=stop, **options, grid=(1,))
     elif kind == "spans":
         _gather_kernel.warmup(i64, i64, vec, f32, **_SPAN_OPTIONS, grid=(1,))
-        _momentum_kernel.warmup(vec, vec, vec, f32, vec, 16, BLOCK=_SPAN_OPTIONS["BLOCK"], num_warps=4, grid=(1,))
+        betas = torch.zeros(2, dtype=torch.promote_types(dtype, torch.float32), device=device)
+        _momentum_kernel.warmup(vec, vec, vec, f32, betas, 16, BLOCK=_SPAN_OPTIONS["BLOCK"], num_warps=4, grid=(1,))
         _apply_kernel.warmup(i64, i64, vec, vec, **_SPAN_OPTIONS, enable_fp_fusion=False, grid=(1,))
     elif kind == "panel":
         bm = key[1]

@@ -113,6 +113,7 @@ def _momentum_kernel(grad_ptr, mom_ptr, update_ptr, ok_ptr, beta_ptr, n, BLOCK: 
     tl.store(grad_ptr + idx, g, mask=mask & skipped)  # sanitised, as functional.sanitize (a skipped step only)
     beta = tl.load(beta_ptr)
     m = _lerp(tl.load(mom_ptr + idx, mask=mask), g, tl.where(keep, tl.load(beta_ptr + 1), 0.0))
+    m = m.to(mom_ptr.dtype.element_ty)  # the stored momentum, rounded, feeds the update (as in torch)
     tl.store(mom_ptr + idx, m, mask=mask)
     tl.store(update_ptr + idx, _lerp(g, m, beta), mask=mask)
 
@@ -146,7 +147,8 @@ def momentum_update(
 ) -> None:
     """The Muon momentum and Nesterov update in one pass (``functional.nesterov_momentum_``, which it mirrors).
 
-    ``betas``: ``[beta, 1 - beta]`` in the vectors' dtype; ``ok``: the 0-dim float32 finite
+    ``betas``: ``[beta, 1 - beta]`` in the vectors' compute dtype (float32; float64 for float64 vectors);
+    ``ok``: the 0-dim float32 finite
     gate (0: the momentum stays, ``grad`` is zeroed in place as ``functional.sanitize`` would).
     """
     n = grad.numel()
