@@ -31,6 +31,11 @@ LAYERS = [
     "__init__",
     "__main__",
 ]
+#: Inside a layer that is a package, its modules in the README's order (``__init__`` gathers them).
+SUBLAYERS = {
+    "engine": ["compilation", "layout", "batched", "execution", "group", "__init__"],
+    "distributed": ["plan", "local", "fsdp", "ddp", "__init__"],
+}
 #: The back arrow the README names: ``dp check`` is added to ``dp`` by the plugin, and runs the CLI.
 ALLOWED_BACK_ARROWS = {("plugin", "cli")}
 #: The modules that may import deepmd (inside functions only).
@@ -81,6 +86,8 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 def test_every_module_has_a_layer():
     assert {_layer_of(p) for p in SOURCES} <= set(LAYERS)
+    for package, order in SUBLAYERS.items():
+        assert {p.stem for p in (PACKAGE / package).glob("*.py")} == set(order), package
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -96,6 +103,11 @@ def test_imports_point_one_way(path: Path):
         assert not arrow_is_back or (layer, target) in ALLOWED_BACK_ARROWS, (
             f"{path.relative_to(PACKAGE)}:{line} ({layer}) imports {module} ({target}), a layer below it"
         )
+        if target == layer and layer in SUBLAYERS and len(parts) > 2:  # within engine/ or distributed/
+            order = SUBLAYERS[layer]
+            assert order.index(parts[2]) <= order.index(path.stem), (
+                f"{path.relative_to(PACKAGE)}:{line} imports {module}, listed below {path.stem} in the README"
+            )
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
