@@ -515,6 +515,14 @@ def magma_scale_(score: torch.Tensor, raw: torch.Tensor, ok: torch.Tensor | None
     return MAGMA_MIN_SCALE + (1.0 - MAGMA_MIN_SCALE) * score
 
 
+def adam_bias_corrected(lr: float, beta1_pow: float, beta2_pow: float) -> tuple[float, float]:
+    """Adam's bias corrections at step t: the -step size and the second moment's divisor.
+
+    ``beta*_pow`` are beta^t; returns ``(-lr / (1 - beta1^t), 1 - beta2^t)``.
+    """
+    return -lr / (1.0 - beta1_pow), 1.0 - beta2_pow
+
+
 def adam_update_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -537,21 +545,22 @@ def adam_update_(
     float tensor, 1 to step, 0 to leave parameter and moments unchanged.
     """
     g = grad.to(torch.float32)
+    neg_step, bc2 = adam_bias_corrected(lr, beta1_pow, beta2_pow)
     if ok is None:
         if decay_factor is not None:
             param.mul_(decay_factor)
         exp_avg.lerp_(g, 1.0 - beta1)
         exp_avg_sq.lerp_(g * g, 1.0 - beta2)
-        neg_step: float | torch.Tensor = -lr / (1.0 - beta1_pow)
+        step: float | torch.Tensor = neg_step
     else:
         if decay_factor is not None:
             param.mul_(gate_factor(decay_factor, ok, param.dtype))
         g = sanitize(g, ok)
         exp_avg.lerp_(g, ok * (1.0 - beta1))
         exp_avg_sq.lerp_(g * g, ok * (1.0 - beta2))
-        neg_step = ok * (-lr / (1.0 - beta1_pow))
-    denom = (exp_avg_sq / (1.0 - beta2_pow)).sqrt().add_(ADAM_EPS)
-    param.add_((neg_step * (exp_avg / denom)).to(param.dtype))
+        step = ok * neg_step
+    denom = (exp_avg_sq / bc2).sqrt().add_(ADAM_EPS)
+    param.add_((step * (exp_avg / denom)).to(param.dtype))
 
 
 # ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from . import functional as F
 from .dtensor import is_dtensor, local_shard
 
-__all__ = ["advance_adam_state", "grad_of", "local_state", "step_group"]
+__all__ = ["advance_adam_state", "advance_powers", "grad_of", "local_state", "step_group"]
 
 #: (parameter, gradient, (batch, rows, cols) view, finite gate on the parameter's device)
 MuonEntry = tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], torch.Tensor]
@@ -90,9 +90,14 @@ def advance_adam_state(state: dict, p: torch.Tensor, settings: F.GroupSettings) 
         entry["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         entry["beta1_pow"] = 1.0
         entry["beta2_pow"] = 1.0
+    advance_powers(entry, settings)
+    return entry
+
+
+def advance_powers(entry: dict[str, Any], settings: F.GroupSettings) -> None:
+    """One more Adam step in the state ``entry``: ``beta1_pow`` and ``beta2_pow`` (beta^t) times beta."""
     entry["beta1_pow"] *= settings.beta1
     entry["beta2_pow"] *= settings.beta2
-    return entry
 
 
 def _adam(

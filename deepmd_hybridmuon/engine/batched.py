@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
+from .. import loop
 from . import compilation
 from .layout import Layout, run_phased
 
@@ -97,10 +98,10 @@ class BatchedStep:
         s = F.GroupSettings.of(group)
         neg_steps, bc2 = [], []
         for st in self.layout.adam_states:
-            st["beta1_pow"] *= s.beta1
-            st["beta2_pow"] *= s.beta2
-            neg_steps.append(-s.adam_lr / (1.0 - st["beta1_pow"]))
-            bc2.append(1.0 - st["beta2_pow"])
+            loop.advance_powers(st, s)
+            neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
+            neg_steps.append(neg_step)
+            bc2.append(divisor)
         param_dtype = [s.muon_decay, -s.lr, s.adamw_decay, 1.0 - s.momentum]  # PARAM_DTYPE_SCALARS
         return [*param_dtype, s.momentum, 1.0 - s.beta1, 1.0 - s.beta2, *neg_steps, *bc2]
 
