@@ -277,6 +277,7 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
 
     from .engine.compilation import MIN_CAPABILITY, triton_runs_on
 
+    need = ".".join(map(str, MIN_CAPABILITY))
     on = flash_muon and triton_runs_on(device)
     if on:
         if device.type == "cpu":
@@ -287,7 +288,7 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
         name = torch.cuda.get_device_name(device)
         return True, (
             f"on: flash_muon is true, Triton {triton.__version__} imports, {name} has compute capability "
-            f"{major}.{minor} (>= {'.'.join(map(str, MIN_CAPABILITY))}); compiled in the background on first use"
+            f"{major}.{minor} (>= {need}); compiled in the background on first use"
         )
     if not flash_muon:
         why = "flash_muon is false"
@@ -295,7 +296,6 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
         why = f"not a CUDA GPU (deepmd's device is {device})"
     elif torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
-        need = ".".join(map(str, MIN_CAPABILITY))
         why = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; the kernels need {need}"
     else:
         why = "Triton cannot be imported"

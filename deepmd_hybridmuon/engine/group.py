@@ -58,8 +58,6 @@ class GroupEngine:
         params, active_routes = [p for p, _ in active], [r for _, r in active]
         kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon)
         self.layout = Layout(params, active_routes, state, group, kernels)
-        # The Triton launches and a captured graph write through these addresses.
-        self.storage = [p.data_ptr() for p in self.layout.staged]
         self.shared_gate = shared_gate
         self.batched = BatchedStep(self.layout, StepInputs(self.layout), shared_gate)
         self.executor = Executor(self.batched, cuda_graph)
@@ -106,9 +104,9 @@ class GroupEngine:
             a is not b for a, b in zip(params, self.group_params, strict=True)
         ):
             return False
-        staged = self.layout.staged
+        L = self.layout
         return all(
-            p.grad is not None and p.data_ptr() == ptr for p, ptr in zip(staged, self.storage, strict=True)
+            p.grad is not None and p.data_ptr() == ptr for p, ptr in zip(L.staged, L.storage, strict=True)
         ) and all(p.grad is None for p in self.gradless)
 
     @property

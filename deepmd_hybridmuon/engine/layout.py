@@ -243,6 +243,8 @@ class Layout:
         # One flat gradient buffer and one flat update buffer, Adam parameters first: one
         # copy in, one finite check and one update pass per step.
         self.staged = self.adam + [p for p, _ in self.muon]
+        # where the parameters live: the Triton update and a captured graph write through these addresses
+        self.storage = [p.data_ptr() for p in self.staged]
         self.numels = [p.numel() for p in self.staged]
         self.grad = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
         self.delta = torch.zeros_like(self.grad)
@@ -343,7 +345,7 @@ class Layout:
         self.spans = torch.tensor(K.span_table(self.numels, decays), dtype=torch.int64, **kw)
         self.span_finite = torch.ones(self.spans.size(0), dtype=torch.float32, **kw)
         self.update = torch.zeros_like(self.momentum)
-        self.param_addresses = torch.tensor([p.data_ptr() for p in self.staged], dtype=torch.int64, **kw)
+        self.param_addresses = torch.tensor(self.storage, dtype=torch.int64, **kw)
 
     def _build_bucket(self, b: Bucket) -> None:
         """Index maps into and out of a torch bucket's zero-padded stack, and the stack."""
