@@ -124,7 +124,7 @@ class BatchedStep:
         # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
         # Nesterov update exists; captured, it runs on side streams while the main stream does
         # Adam, the weight decay, Magma and the Triton launches (see _muon_update).
-        pending = self._muon_update(ok, betas, lanes) if L.muon else None
+        pending = self._muon_update(ok, betas, one_minus_beta, lanes) if L.muon else None
         muon_decay = F.gate_factor(muon_decay, ok, L.dtype)
         adamw_decay = F.gate_factor(adamw_decay, ok, L.dtype)
         if L.adam:  # each parameter's pair of scalars, spread over its elements
@@ -160,12 +160,13 @@ class BatchedStep:
         L.adam_delta.copy_(denom.mul_(neg_step))
 
     def _muon_update(
-        self, ok: torch.Tensor, betas: torch.Tensor, lanes: Lanes
+        self, ok: torch.Tensor, betas: torch.Tensor, one_minus_beta: torch.Tensor, lanes: Lanes
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Momentum and Nesterov update of every Muon matrix; starts the torch buckets on it.
 
         ``betas``: ``[momentum, 1 - momentum]`` in the parameters' compute dtype (float32, or float64),
-        the second rounded through the parameters' dtype first, as in ``functional.nesterov_momentum_``.
+        the second rounded through the parameters' dtype first (``one_minus_beta``, in that dtype), as in
+        ``functional.nesterov_momentum_``.
 
         Returns the sanitised gradients, the update and the buckets' orthogonalised stacks
         (unscaled; still being computed on the side streams when captured).
@@ -176,7 +177,7 @@ class BatchedStep:
             self.K.momentum_update(grads, L.momentum, update, ok, betas)
         else:
             grads = F.sanitize(L.muon_grad, ok)
-            L.momentum.lerp_(grads, ok.to(L.dtype) * betas[1].to(L.dtype))
+            L.momentum.lerp_(grads, ok.to(L.dtype) * one_minus_beta)
             compute = betas.dtype  # the loop's lerp with a Python-float weight computes in it too
             update = torch.lerp(grads.to(compute), L.momentum.to(compute), betas[0]).to(L.dtype)
         stacks = []
