@@ -37,8 +37,8 @@ from common import (
     utc_now,
 )
 
-READY_MARK = "Triton kernels ready"
-COMPILING_MARK = "Triton kernels compile in the background"
+READY_MARK = "Triton kernels in use from step"
+COMPILING_MARK = "variants in the background"
 
 
 def _compile_processes() -> list[str]:

@@ -17,6 +17,12 @@ With ``HYBRIDMUON_IMPLEMENTATION=<name>`` (``optimizer.IMPLEMENTATIONS``: ``engi
 ``engine-eager``, ``loop``) deepmd-hybridmuon's optimizer runs that implementation from its
 first step on: a diagnostic, e.g. to tell the CUDA graph's share of a difference.
 
+With ``WATCH_COMPILES=1`` the JSON also lists, under ``"_compiles"``, every Triton kernel this
+process compiled or loaded (``triton.knobs.compilation.listener``: kernel, cache hit or not,
+its specialization, and how many steps of our optimizer had run) and every host launcher it
+built with the C compiler (``triton.runtime.build._build``, with its seconds): the evidence
+of work done in the training process rather than in the compile process.
+
 With ``WAIT_FOR_KERNELS=<seconds>``, after the first step of deepmd-hybridmuon's optimizer
 the run waits (at most that long) for the Triton kernels to compile, so that they land in
 Triton's cache for the timed runs after it (a run that ends first stops their compilation).
@@ -52,12 +58,53 @@ class _Steps:
         self.between_host_ms: list[float] = []
 
 
+def _watch_compiles(record: list[dict[str, Any]], ours_steps: Any) -> None:
+    """Record every Triton compile or cache load and every launcher build of this process into ``record``."""
+    from triton import knobs
+    from triton.runtime import build
+
+    def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool, **_: Any) -> None:
+        fn = getattr(src, "fn", None)
+        record.append(
+            {
+                "what": "kernel",
+                "kernel": getattr(fn, "__name__", str(fn)),
+                "cache_hit": cache_hit,
+                "signature": repr(getattr(src, "signature", None)),
+                "attrs": repr(getattr(src, "attrs", None)),
+                "after_steps": ours_steps(),
+                "at_s": time.perf_counter(),
+            }
+        )
+
+    knobs.compilation.listener = listener
+    original = build._build
+
+    def timed_build(name: str, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return original(name, *args, **kwargs)
+        finally:
+            record.append(
+                {"what": "launcher", "name": name, "seconds": time.perf_counter() - t0, "after_steps": ours_steps()}
+            )
+
+    build._build = timed_build
+
+
 def main() -> int:
     out_dir = os.environ.get("STEP_TIMES_DIR")
     waiting = [float(os.environ["WAIT_FOR_KERNELS"])] if os.environ.get("WAIT_FOR_KERNELS") else []
     steps: dict[int, _Steps] = {}
     cuda = torch.cuda.is_available()
     implementation = os.environ.get("HYBRIDMUON_IMPLEMENTATION")
+    compiles: list[dict[str, Any]] = []
+
+    def ours_steps() -> int:
+        return sum(len(e.host_ms) for e in steps.values() if e.name == "HybridMuonOptimizer")
+
+    if os.environ.get("WATCH_COMPILES") == "1" and cuda:
+        _watch_compiles(compiles, ours_steps)
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if implementation and type(opt).__module__.startswith("deepmd_hybridmuon"):
@@ -101,7 +148,7 @@ def main() -> int:
         if out_dir and steps:
             if cuda:
                 torch.cuda.synchronize()
-            times: dict[str, dict[str, list[float]]] = {}
+            times: dict[str, Any] = {}
             for entry in steps.values():
                 key = entry.name if entry.name not in times else f"{entry.name}#{len(times)}"
                 gpu = [start.elapsed_time(end) for start, end in entry.events]
@@ -112,6 +159,8 @@ def main() -> int:
                     "between_gpu_ms": between,
                     "between_host_ms": entry.between_host_ms,
                 }
+            if compiles:
+                times["_compiles"] = compiles
             path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(times))

@@ -252,6 +252,7 @@ class HybridMuonOptimizer(Optimizer):
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
         self._engines: dict[int, GroupEngine] = {}
+        self._steps_taken = 0  # by this object (the log says from which step the Triton kernels run)
         super().__init__(params, defaults)
         if named_parameters is not None:
             self.set_param_names(named_parameters)
@@ -392,6 +393,7 @@ class HybridMuonOptimizer(Optimizer):
                 loss = closure()
         with _outside_device_context():
             self._step_all()
+        self._steps_taken = getattr(self, "_steps_taken", 0) + 1
         return loss
 
     def _step_all(self) -> None:
@@ -479,10 +481,8 @@ class HybridMuonOptimizer(Optimizer):
             shared_gate=self.nonfinite_across_ranks,
             cuda_graph=self._implementation == "engine",
         )
-        if engine.compiling is not None:
-            log.info("flat engine: Triton kernels compile in the background; torch kernels until then")
-        elif kernels_ready:
-            log.info("flat engine: Triton kernels ready, now in use")
+        if kernels_ready and engine.compiling is None:
+            log.info("Triton kernels in use from step %d of this run", getattr(self, "_steps_taken", 0))
         return engine
 
     def execution_table(self) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ the "compilation" is a stand-in child process, or the real worker failing for wa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -131,22 +132,25 @@ REPORTS_OK = (
 )
 
 
-def test_variants_already_in_the_cache_load_at_once_without_a_compile_process(monkeypatch, tmp_path):
+def test_compiled_variants_load_one_per_step_and_a_later_run_needs_no_compile_process(monkeypatch, tmp_path):
     loaded: list[tuple] = []
-    monkeypatch.setattr(K.compile, "_compile", lambda key, device: loaded.append(key))
+    monkeypatch.setattr(K.compile, "_warm_up", lambda key, device: loaded.append(key))
     ledger = tmp_path / "ledger"
-    # First run: the variants compile in a child process, then load here.
+    # First run: the variants compile in a child process, then load here, one per poll (a
+    # step asks once or twice), so that no step holds the training loop for all of them.
     first = K.KernelRegistry(worker=[sys.executable, "-c", REPORTS_OK], ledger=ledger)
     pending = first.prepare(GPU, torch.float32, PATHS, magma=True)
     assert pending is not None and not pending.is_set() and len(first.workers) == 1
-    assert pending.wait(60)
-    assert len(loaded) == 4  # standard phased, Gram panel, spans, Magma: each loaded once
+    first.workers[0].process.wait(60)
+    seen = [(pending.is_set(), len(loaded)) for _ in range(4)]  # standard phased, Gram panel, spans, Magma
+    assert seen == [(False, 1), (False, 2), (False, 3), (True, 4)]
     # A later run with the same cache: no compile process (its stand-in would leave the
-    # marker file), the variants load before prepare() returns.
+    # marker file); the variants load the same way, one per poll, from the first step on.
     marker = tmp_path / "started"
     later = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=ledger)
     pending = later.prepare(GPU, torch.float32, PATHS, magma=True)
-    assert pending is not None and pending.is_set()
+    assert pending is not None and len(loaded) == 4
+    assert pending.wait(0)
     assert not later.workers and not marker.exists()
     assert sorted(map(repr, loaded[4:])) == sorted(map(repr, loaded[:4]))
     # A variant the cache has never held still goes to a compile process, and only that one.
@@ -171,3 +175,118 @@ def test_the_ledger_lives_in_tritons_cache_folder(monkeypatch, tmp_path):
     cache = tmp_path / "triton"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     assert Ledger().root == cache / "deepmd_hybridmuon"
+
+
+# ----------------------------------------------------------------------------------------
+# What the compile process warms up is what the engine launches
+# ----------------------------------------------------------------------------------------
+
+# One variant key of every kind the registry asks for (prepare()'s keys, dtype last).
+KINDS = [
+    ("spans", 0, torch.float32),
+    ("magma", 0, torch.float32),
+    (*K.compile._launch_key(False, 32, 48), 0, torch.float32),  # one program per matrix
+    (*K.compile._launch_key(True, 64, 4096), 0, torch.float32),  # Gram panels
+    (*K.compile._launch_key(False, 240, 240), 0, torch.float32),  # phased
+]
+
+
+def _launched_kernels() -> set[str]:
+    """Every Triton kernel some module of the package launches from the host (``name[grid](...)``)."""
+    import re
+    from pathlib import Path
+
+    folder = Path(K.__file__).parent
+    return {m for path in folder.glob("*.py") for m in re.findall(r"(_\w+_kernel)\[", path.read_text())}
+
+
+def test_every_launched_kernel_is_declared_for_the_compile_process_and_specialises_on_types_only():
+    declared = {launch.kernel.fn.__name__: launch.kernel for key in KINDS for launch in K.compile._launches(key)}
+    assert set(declared) == _launched_kernels()
+    for name, kernel in declared.items():
+        # A value-specialised argument (alignment, an integer equal to 1 or divisible by 16)
+        # would make the engine's launch a variant the compile process never built.
+        loose = [p for p in kernel.params if not p.is_constexpr]
+        assert loose and all(p.do_not_specialize and p.do_not_specialize_on_alignment for p in loose), name
+
+
+def test_the_ledger_key_changes_with_everything_that_fixes_a_binary(monkeypatch):
+    ledger = K.compile.Ledger(root=None)
+    base = KINDS[2]
+    names = {ledger.name(key, (9, 0)) for key in KINDS}
+    assert len(names) == len(KINDS)
+    assert ledger.name(base, (9, 0)) == ledger.name(base, (9, 0))  # deterministic
+    assert ledger.name((*base[:-1], torch.bfloat16), (9, 0)) != ledger.name(base, (9, 0))  # argument dtypes
+    assert ledger.name(base, (8, 0)) != ledger.name(base, (9, 0))  # the GPU
+    other = K.compile._launch_key(False, 64, 96)  # other constexprs (block sizes) of the same kernel
+    assert ledger.name((*other, 0, torch.float32), (9, 0)) != ledger.name(base, (9, 0))
+    # The options of a launch (num_warps, constexprs) and this package's sources are in the key.
+    changed = [
+        dataclasses.replace(launch, options=(*launch.options, ("num_warps", 2))) for launch in K.compile._launches(base)
+    ]
+    original = K.compile._launches
+    monkeypatch.setattr(K.compile, "_launches", lambda key: changed if key == base else original(key))
+    assert ledger.name(base, (9, 0)) not in names
+    monkeypatch.setattr(K.compile, "_launches", original)
+    fresh = K.compile.Ledger(root=None)
+    monkeypatch.setattr(K.compile, "_sources_fingerprint", lambda: "edited kernels")
+    assert fresh.name(base, (9, 0)) not in names
+
+
+# A training process on a GPU, from an empty or a filled Triton cache, listening to Triton:
+# every kernel it compiles or loads, every launcher it builds with the C compiler.
+TRAINING = """
+import json, sys, time, torch
+from triton import knobs
+from triton.runtime import build
+from deepmd_hybridmuon import HybridMuonOptimizer
+
+events, steps = [], [0]
+def heard(*, src, cache_hit, **_):
+    events.append(("kernel", src.fn.__name__, cache_hit, steps[0]))
+knobs.compilation.listener = heard
+original = build._build
+def counted(name, *args, **kwargs):
+    events.append(("launcher", name, False, steps[0]))
+    return original(name, *args, **kwargs)
+build._build = counted
+gen = torch.Generator().manual_seed(0)
+shapes = [(32, 48), (64, 96), (64, 4096), (240, 240), (136, 240), (300, 20), (7,), (5, 3)]
+params = [torch.nn.Parameter(torch.randn(s, generator=gen).cuda()) for s in shapes]
+opt = HybridMuonOptimizer(params, lr=1e-3, enable_gram=True, magma_muon=True)
+host_ms, deadline = [], time.monotonic() + 400
+while time.monotonic() < deadline:
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).cuda()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    opt.step()
+    torch.cuda.synchronize()
+    host_ms.append((time.perf_counter() - t0) * 1e3)
+    steps[0] += 1
+    row = opt.execution_table()[0]
+    if row["kernels"] == "triton" and row["cuda_graph"]:
+        break
+print(json.dumps({"row": {k: row[k] for k in ("kernels", "cuda_graph")}, "events": events, "host_ms": host_ms,
+                  "workers": len(__import__("deepmd_hybridmuon").kernels.compile.registry.workers)}))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_training_process_never_compiles_from_an_empty_or_a_filled_cache(tmp_path):
+    import json
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    runs = []
+    for _ in ("cold", "warm"):
+        out = subprocess.run(
+            [sys.executable, "-c", TRAINING], capture_output=True, text=True, env=env, timeout=600, check=False
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for run in runs:
+        assert run["row"] == {"kernels": "triton", "cuda_graph": True}
+        compiled_here = [e for e in run["events"] if not e[2]]  # a cache miss, or a launcher built
+        assert compiled_here == [], compiled_here
+        assert any(e[0] == "kernel" and e[2] for e in run["events"])  # the variants were loaded from the cache
+    assert runs[1]["workers"] == 0  # the filled cache: no compile process was needed

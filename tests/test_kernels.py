@@ -348,7 +348,7 @@ def test_a_kernel_that_does_not_compile_leaves_the_torch_path(monkeypatch, caplo
     def broken(key, device):
         raise RuntimeError("unsupported instruction")
 
-    monkeypatch.setattr(K.compile, "_compile", broken)
+    monkeypatch.setattr(K.compile, "_warm_up", broken)
     gpu = torch.device("cuda", 0)  # only named: the broken compiler never touches it
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
         assert K.prepare(gpu, torch.float32, [(True, 64, 512)], magma=True) is None

@@ -9,7 +9,10 @@ No kernel writes a schedule of its own.
 from __future__ import annotations
 
 import functools
+import inspect
+from collections.abc import Callable
 from enum import IntEnum
+from typing import Any
 
 import torch
 import triton
@@ -61,6 +64,25 @@ _META_N = tl.constexpr(int(MetaColumn.N))
 _META_ROW_STRIDE = tl.constexpr(int(MetaColumn.ROW_STRIDE))
 _META_COL_STRIDE = tl.constexpr(int(MetaColumn.COL_STRIDE))
 _META_BLOCK = tl.constexpr(int(MetaColumn.BLOCK))
+
+
+def kernel(fn: Callable[..., None]) -> Any:
+    """``triton.jit`` for a kernel launched from the host, compiled for its argument types only.
+
+    Triton specialises a launch on the values of its arguments: a pointer 16-byte aligned or
+    not, an integer equal to 1 or divisible by 16. The engine's pointers are views at offsets
+    in flat buffers and its integers are counts, so those properties differ from one model to
+    the next and from the compile process's example arguments; every difference is a variant
+    compiled again, seconds each, in the training process (measured: BENCHMARKS.md, cold
+    start). Switched off here for every argument that is not a ``tl.constexpr``: a variant is
+    then fixed by the argument dtypes, the constexprs and the compile options, all of which
+    the compile process reproduces (:mod:`.compile`). Little is lost: most kernels address
+    memory through offsets read at run time, which Triton cannot prove aligned anyway; the
+    momentum pass, the one plain elementwise kernel, may load without vector instructions
+    (the step times in BENCHMARKS.md are measured with this).
+    """
+    values = [name for name, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
+    return triton.jit(fn, do_not_specialize=values, do_not_specialize_on_alignment=values)
 
 
 def work_dtype(use_gram: bool) -> torch.dtype:

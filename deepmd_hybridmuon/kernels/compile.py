@@ -1,8 +1,28 @@
 """Compilation of the kernel variants off the training process: :class:`KernelRegistry`.
 
-:func:`prepare` and :func:`wait_ready` ask the process-wide :data:`registry`; :func:`_compile`
-lists, per variant key, the launches that compile it; :func:`compile_worker` is the child
-process that runs it; :class:`Ledger` remembers which variants are already in Triton's cache.
+Contract. The training process never compiles a kernel and never builds a launcher: a child
+process (:func:`compile_worker`) does both into Triton's disk cache, while the engine steps
+with the torch kernels; the training process then loads the variants from that cache, one
+per step (tens of milliseconds each), and the engine switches to them once all are loaded.
+
+* A variant is identified by a key (:func:`_launch_key` plus device index and dtype) and
+  made of the launches :func:`_launches` declares for it. The launched kernels take no
+  value specialisation (:func:`.common.kernel`), so a variant is fixed by what those
+  declarations hold; the compile process warms each one up from them, and the engine's real
+  launches find exactly those binaries.
+* The child also builds each launch's host launcher (a C module Triton builds with the system
+  compiler at a kernel's first launch), so that the training process only loads it.
+* :class:`Ledger`: the variants some process compiled into this Triton cache. A later run
+  finds them there: no child, the same one-per-step loading from the first step on.
+* Why a process and not a thread: Triton compiles in native code (LLVM, ptxas). A daemon
+  thread still inside it when the interpreter shuts down is ended by ``pthread_exit``, whose
+  forced unwinding through C++ frames aborts the process ("FATAL: exception not rethrown")
+  after a run that trained and saved. A child process is simply terminated at exit
+  (:meth:`KernelRegistry.close`, registered with ``atexit``); Triton writes its cache files
+  atomically, so a killed compilation leaves nothing half-written. The child also dies with
+  its parent (``PR_SET_PDEATHSIG``).
+
+:func:`prepare` and :func:`wait_ready` ask the process-wide :data:`registry`.
 """
 
 from __future__ import annotations
@@ -40,44 +60,17 @@ from .spans import _SPAN_OPTIONS, _apply_kernel, _gather_kernel, _momentum_kerne
 
 log = logging.getLogger("deepmd.hybridmuon")
 
-# ---------------------------------------------------------------------------
-# Compilation off the training process
-# ---------------------------------------------------------------------------
-#
-# Triton compiles a kernel variant the first time it is launched (about 2 s each, 7-8 s for
-# the phased kernels) and caches it on disk. So that a first run does not wait ~20 s in its
-# first step, the engine asks :func:`prepare` for the variants it needs; missing ones
-# compile in a child process (:func:`compile_worker`) while the engine steps with the
-# torch path. Once the child has exited, the training process loads the variants from
-# Triton's disk cache (milliseconds) and the engine switches to the kernels (engine/).
-#
-# Why a process and not a thread: Triton compiles in native code (LLVM, ptxas). A
-# daemon thread still inside it when the interpreter shuts down is ended by
-# ``pthread_exit``, whose forced unwinding through C++ frames aborts the process
-# ("FATAL: exception not rethrown") after a run that trained and saved. A child process
-# can simply be terminated at exit (:meth:`KernelRegistry.close`, registered with
-# ``atexit``); Triton writes its cache files atomically, so a killed compilation leaves
-# nothing half-written. The child also dies with its parent (``PR_SET_PDEATHSIG``).
-#
-# Compiling with example tensors of the same dtypes gives the same variants as the real
-# launches: integer arguments are not specialised on.
-#
-# A later run finds the variants in Triton's disk cache. Starting a child there would
-# still cost seconds (it imports torch and Triton) of torch-path steps, then an engine
-# rebuild, inside the first timed window of every run. So each variant this process has
-# loaded is written down in a :class:`Ledger` beside Triton's cache, and a variant the
-# ledger lists is loaded at once, in this process, at the first step (milliseconds). Should
-# Triton's cache have lost it meanwhile, that load compiles it right there, in the training
-# thread: seconds once, never a thread inside native code at exit.
+Key = tuple[Any, ...]
 
 
 class Ledger:
-    """The variants some process loaded from (or compiled into) one Triton cache: an empty file each.
+    """The variants some process compiled into one Triton cache: an empty file each.
 
-    A file's name hashes the variant's key with everything Triton's own cache key depends on
-    that can differ between runs sharing the cache: this package's kernel sources and
-    schedules, the Triton and CUDA versions, and the GPU's compute capability. Emptying
-    Triton's cache (the default location of the ledger) empties the ledger too.
+    A file's name hashes the variant's launches (:func:`_launches`: kernels, argument types,
+    constexprs and options) with everything else Triton's own cache key depends on that can
+    differ between runs sharing the cache: this package's kernel sources, the Triton and CUDA
+    versions, and the GPU's compute capability. Emptying Triton's cache (the default location
+    of the ledger) empties the ledger too.
 
     Parameters
     ----------
@@ -97,18 +90,22 @@ class Ledger:
             self._root = _triton_cache_dir() / "deepmd_hybridmuon"
         return self._root
 
-    def _path(self, key: tuple[Any, ...], device: torch.device) -> Path:
+    def name(self, key: Key, capability: tuple[int, int] | None) -> str:
+        """The ledger's file name of ``key`` on a GPU of compute ``capability``."""
         if self._fingerprint is None:
             self._fingerprint = _sources_fingerprint()
-        capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
-        text = repr((self._fingerprint, capability, key[:-2], str(key[-1])))
-        return self.root / hashlib.sha256(text.encode()).hexdigest()[:40]
+        described = [launch.describe() for launch in _launches(key)]
+        return hashlib.sha256(repr((self._fingerprint, capability, described)).encode()).hexdigest()[:40]
 
-    def has(self, key: tuple[Any, ...], device: torch.device) -> bool:
-        """Whether ``key`` was loaded by some process with this cache."""
+    def _path(self, key: Key, device: torch.device) -> Path:
+        capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+        return self.root / self.name(key, capability)
+
+    def has(self, key: Key, device: torch.device) -> bool:
+        """Whether ``key`` was compiled into this cache by some process."""
         return self._path(key, device).exists()
 
-    def add(self, key: tuple[Any, ...], device: torch.device) -> None:
+    def add(self, key: Key, device: torch.device) -> None:
         """Note ``key`` as in the cache (best effort: a read-only cache only costs later runs a child)."""
         path = self._path(key, device)
         with contextlib.suppress(OSError):
@@ -138,42 +135,45 @@ def _sources_fingerprint() -> str:
 
 
 class _Pending:
-    """The variants one :func:`prepare` asked for: ``is_set()`` once all are compiled or failed.
+    """The variants one :func:`prepare` asked for: ``is_set()`` once all are loaded here or failed.
 
-    Checking is cheap (a non-blocking ``waitpid`` per running worker) and, once a worker has
-    exited, loads its variants into this process (see :meth:`KernelRegistry.poll`).
+    Checking is cheap: a non-blocking ``waitpid`` per running worker, and at most one
+    variant loaded from the disk cache per call (see :meth:`KernelRegistry.poll`).
     """
 
-    def __init__(self, registry: KernelRegistry, keys: frozenset[tuple[Any, ...]]) -> None:
+    def __init__(self, registry: KernelRegistry, keys: frozenset[Key]) -> None:
         self.registry, self.keys = registry, keys
 
     def is_set(self) -> bool:
-        """Whether every variant asked for is compiled (or failed); never blocks."""
+        """Whether every variant asked for is loaded (or failed); never blocks long."""
         self.registry.poll()
         return self.keys <= (self.registry.ready | self.registry.failed)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`is_set` or ``timeout`` seconds; return :meth:`is_set`."""
+        """Block until the variants are compiled and loaded, or ``timeout`` seconds; return :meth:`is_set`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for worker in self.registry.workers_for(self.keys):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(left)
+        self.registry.poll(load=False)
+        while self.registry.loadable & self.keys:
+            self.registry.poll()  # loads one more
         return self.is_set()
 
 
 @dataclass
 class _Worker:
     process: subprocess.Popen
-    keys: list[tuple[Any, ...]]
+    keys: list[Key]
     device: torch.device
 
 
 class KernelRegistry:
-    """Which Triton variants this process has compiled, and the compilations under way.
+    """Which Triton variants this process has loaded, and the compilations under way.
 
-    One object, used from the training thread only (no locks, no threads). A variant is
-    identified by a key (:func:`_launch_key` plus device index and dtype).
+    One object, used from the training thread only (no locks, no threads). See the module
+    docstring for the contract.
 
     Parameters
     ----------
@@ -193,8 +193,10 @@ class KernelRegistry:
         self.background = background
         self.worker = worker
         self.ledger = Ledger(ledger)
-        self.ready: set[tuple[Any, ...]] = set()
-        self.failed: set[tuple[Any, ...]] = set()
+        self.ready: set[Key] = set()  # loaded in this process
+        self.loadable: set[Key] = set()  # in the disk cache, not loaded here yet
+        self.failed: set[Key] = set()
+        self.devices: dict[Key, torch.device] = {}
         self.workers: list[_Worker] = []
         self._closing_registered = False
 
@@ -203,46 +205,54 @@ class KernelRegistry:
     def prepare(
         self, device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]], magma: bool
     ) -> _Pending | None:
-        """Start compiling the variants for ``paths`` ((use_gram, rows, cols) per launch), spans and Magma.
+        """Ask for the variants of ``paths`` ((use_gram, rows, cols) per launch), spans and Magma.
 
-        Returns an object whose ``is_set()`` becomes true once they are compiled: at once
-        when they already are, when the :class:`Ledger` lists them (they load from Triton's
-        cache before returning), or when ``background`` is off (they compile before
-        returning); ``None`` when a variant failed to compile earlier in this process (the
-        engine then keeps the torch path; the failure was logged once).
+        Returns an object whose ``is_set()`` becomes true once they are all loaded in this
+        process: at once on the CPU (Triton's interpreter compiles nothing) or when
+        ``background`` is off (they compile here before returning), else after the child has
+        compiled the missing ones and one ``is_set()`` per variant has loaded it. ``None``
+        when a variant failed to compile (the engine then keeps the torch path; the failure
+        was logged once).
         """
         keys = {(*_launch_key(g, r, c), device.index, dtype) for g, r, c in paths}
         keys.add(("spans", device.index, dtype))
         if magma:
             keys.add(("magma", device.index, dtype))
         pending = _Pending(self, frozenset(keys))
-        self.poll()
+        self.poll(load=False)
         if keys & self.failed:
             return None
-        in_flight = {key for w in self.workers for key in w.keys}
-        missing = sorted(keys - self.ready - in_flight, key=repr)
         if device.type != "cuda":  # the interpreter does not compile
             self.ready |= keys
             return pending
-        cached = [key for key in missing if self.ledger.has(key, device)]
-        missing = [key for key in missing if key not in cached]
+        in_flight = {key for w in self.workers for key in w.keys}
+        new = sorted(keys - self.ready - self.loadable - in_flight, key=repr)
+        for key in new:
+            self.devices[key] = device
+        cached = [key for key in new if self.ledger.has(key, device)]
+        missing = [key for key in new if key not in cached]
+        self.loadable.update(cached)
         if missing and self.background and self._start(missing, device):
-            missing = []
-        for key in cached + missing:  # at once, in this process
-            self._load(key, device)
+            log.info("Triton kernels: compiling %d variants in the background; torch kernels until then", len(missing))
+        else:
+            for key in missing:  # at once, in this process
+                self._load(key, compile_here=True)
+        if cached and not missing:
+            log.info("Triton kernels: %d variants from the cache", len(cached))
         return None if keys & self.failed else pending
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait for the compilations under way; ``False`` if some still run after ``timeout`` seconds."""
-        return _Pending(self, frozenset(k for w in self.workers for k in w.keys)).wait(timeout)
+        """Wait for the compilations under way and load their variants; ``False`` if some run after ``timeout`` s."""
+        keys = frozenset(k for w in self.workers for k in w.keys) | frozenset(self.loadable)
+        return _Pending(self, keys).wait(timeout)
 
-    def workers_for(self, keys: frozenset[tuple[Any, ...]]) -> list[_Worker]:
+    def workers_for(self, keys: frozenset[Key]) -> list[_Worker]:
         """The running workers compiling any of ``keys``."""
         return [w for w in self.workers if keys.intersection(w.keys)]
 
     # ---------------------------------------------------------------- workers
 
-    def _start(self, keys: list[tuple[Any, ...]], device: torch.device) -> bool:
+    def _start(self, keys: list[Key], device: torch.device) -> bool:
         """Start a worker for ``keys``; ``False`` if no child process can be started here."""
         if self.worker is None and not sys.executable:
             return False  # an embedded interpreter: compile in this process instead
@@ -266,8 +276,8 @@ class KernelRegistry:
             self._closing_registered = True
         return True
 
-    def poll(self) -> None:
-        """Load the variants of every worker that has exited (from Triton's disk cache)."""
+    def poll(self, load: bool = True) -> None:
+        """Collect the workers that have exited; then, with ``load``, load one compiled variant here."""
         for worker in [w for w in self.workers if w.process.poll() is not None]:
             self.workers.remove(worker)
             assert worker.process.stdout is not None  # stdout=PIPE
@@ -281,20 +291,26 @@ class KernelRegistry:
                 if error is not None and error != "ok":
                     self._fail(key, error)
                 else:
-                    self._load(key, worker.device)
+                    self.ledger.add(key, worker.device)
+                    self.loadable.add(key)
+        if load and self.loadable:
+            self._load(min(self.loadable, key=repr))
 
-    def _load(self, key: tuple[Any, ...], device: torch.device) -> None:
-        """Compile ``key`` in this process (a disk-cache hit after a worker has compiled it)."""
+    def _load(self, key: Key, compile_here: bool = False) -> None:
+        """Make ``key`` ready in this process: from the disk cache, or compiled here with ``compile_here``."""
+        self.loadable.discard(key)
         try:
-            _compile(key, device)
+            _warm_up(key, self.devices[key])
         except Exception as err:  # a GPU or Triton without support for a kernel
             self._fail(key, str(err))
         else:
             self.ready.add(key)
-            self.ledger.add(key, device)
+            if compile_here:
+                self.ledger.add(key, self.devices[key])
 
-    def _fail(self, key: tuple[Any, ...], error: str) -> None:
+    def _fail(self, key: Key, error: str) -> None:
         self.failed.add(key)
+        self.loadable.discard(key)
         log.warning("Triton kernel %s did not compile (%s); torch kernels instead", key[:-2], error)
 
     def close(self) -> None:
@@ -336,7 +352,7 @@ def compile_worker() -> None:
         try:
             if i == 0:
                 torch.cuda.set_device(device)
-            _compile(key, device)
+            _warm_up(key, device)
             status = "ok"
         except Exception as err:
             status = " ".join(f"{type(err).__name__}: {err}".split()) or "error"
@@ -360,6 +376,37 @@ def wait_ready(timeout: float | None = None) -> bool:
     return registry.wait_ready(timeout)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a variant, declared by argument types: what fixes its binary.
+
+    ``args``: a ``torch.dtype`` for each pointer argument (a tensor), a Python ``int`` or
+    ``float`` for each scalar (only its type counts: :func:`.common.kernel`); ``options``:
+    the constexprs and compile options, as keyword arguments.
+    """
+
+    kernel: Any
+    args: tuple[Any, ...]
+    options: tuple[tuple[str, Any], ...]
+
+    def describe(self) -> str:
+        """Everything that fixes the compiled binary, as text (the :class:`Ledger` hashes it)."""
+        args = [str(a) if isinstance(a, torch.dtype) else type(a).__name__ for a in self.args]
+        return f"{self.kernel.fn.__name__}({', '.join(args)}; {sorted(self.options)!r})"
+
+    def warm_up(self, device: torch.device) -> None:
+        """Compile (or load from Triton's disk cache) this launch's binary and its host launcher."""
+        args = [torch.zeros(16, dtype=a, device=device) if isinstance(a, torch.dtype) else a for a in self.args]
+        compiled = self.kernel.warmup(*args, **dict(self.options), grid=(1,))
+        if compiled is not None and device.type == "cuda":
+            compiled.run  # noqa: B018  (loads the binary and builds or loads the launcher, as a first launch would)
+
+
+def _warm_up(key: Key, device: torch.device) -> None:
+    for launch in _launches(key):
+        launch.warm_up(device)
+
+
 def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
     if rows > MAX_ROWS:
         return ("phased", use_gram, (padded(rows), padded(cols)))
@@ -368,37 +415,45 @@ def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
     return ("ns", tuple(sorted(_ns_options(rows, cols, use_gram).items())))
 
 
-def _compile(key: tuple[Any, ...], device: torch.device) -> None:
+def _launches(key: Key) -> list[Launch]:
+    """The launches of the variant ``key``, as the engine and the FSDP2 owners make them."""
     kind, dtype = key[0], key[-1]
-    vec = torch.zeros(16, dtype=dtype, device=device)
-    f32 = torch.zeros(16, dtype=torch.float32, device=device)
-    f16 = torch.zeros(16, dtype=torch.float16, device=device)
-    i64 = torch.zeros(16, dtype=torch.int64, device=device)
+    f32, f16, i64, i32 = torch.float32, torch.float16, torch.int64, torch.int32
+
+    def launch(kernel: Any, *args: Any, **options: Any) -> Launch:
+        return Launch(kernel, args, tuple(sorted(options.items())))
+
     if kind == "magma":
-        _magma_partial_kernel.warmup(vec, vec, i64, f32, 2, BLOCK=1024, grid=(1,))
-        _magma_finish_kernel.warmup(i64, f32, 2, f32, f32, f32, vec[0], f32[0], **_MAGMA_OPTIONS, grid=(1,))
-    elif kind == "phased":  # the engine's two launches: all phases but the last, and the last
+        return [
+            launch(_magma_partial_kernel, dtype, dtype, i64, f32, 2, BLOCK=1024),
+            launch(_magma_finish_kernel, i64, f32, 2, f32, f32, f32, dtype, f32, **_MAGMA_OPTIONS),
+        ]
+    if kind == "phased":  # the engine's two launches: all phases but the last, and the last
         use_gram, shape = key[1], key[2]
-        work = torch.zeros(16, dtype=work_dtype(use_gram), device=device)
-        args = (vec, vec, work, i64, 1, f32, f32, f32, torch.zeros(1, dtype=torch.int32, device=device), F.NS_EPS)
+        args = (dtype, dtype, work_dtype(use_gram), i64, 1, f32, f32, f32, i32, F.NS_EPS)
         n = phase_count(use_gram)
-        for first, stop in ((0, n - 1), (n - 1, n)):
-            options = _phased_options(use_gram, shape, stop - first > 1)
-            _phased_kernel.warmup(*args, FIRST=first, STOP=stop, **options, grid=(1,))
-    elif kind == "spans":
-        _gather_kernel.warmup(i64, i64, vec, f32, **_SPAN_OPTIONS, grid=(1,))
-        betas = torch.zeros(2, dtype=torch.promote_types(dtype, torch.float32), device=device)
-        _momentum_kernel.warmup(vec, vec, vec, f32, betas, 16, BLOCK=_SPAN_OPTIONS["BLOCK"], num_warps=4, grid=(1,))
-        _apply_kernel.warmup(i64, i64, vec, vec, **_SPAN_OPTIONS, enable_fp_fusion=False, grid=(1,))
-    elif kind == "panel":
+        return [
+            launch(_phased_kernel, *args, FIRST=first, STOP=stop, **_phased_options(use_gram, shape, stop - first > 1))
+            for first, stop in ((0, n - 1), (n - 1, n))
+        ]
+    if kind == "spans":
+        betas = torch.promote_types(dtype, f32)
+        return [
+            launch(_gather_kernel, i64, i64, dtype, f32, **_SPAN_OPTIONS),
+            launch(_momentum_kernel, dtype, dtype, dtype, f32, betas, 16, BLOCK=_SPAN_OPTIONS["BLOCK"], num_warps=4),
+            launch(_apply_kernel, i64, i64, dtype, dtype, **_SPAN_OPTIONS, enable_fp_fusion=False),
+        ]
+    if kind == "panel":
         bm = key[1]
         warps = _warps(bm)
-        _panel_gram_kernel.warmup(vec, i64, i64, f32, BM=bm, BN=PANEL, num_warps=warps, grid=(1,))
+        launches = [launch(_panel_gram_kernel, dtype, i64, i64, f32, BM=bm, BN=PANEL, num_warps=warps)]
         for reduce, apply in panel_launches():  # one (reduce, apply) pair per segment of the Gram schedule
-            _panel_reduce_kernel.warmup(i64, f32, f16, f32, f32, F.NS_EPS, BM=bm, **reduce, num_warps=warps, grid=(1,))
-            args = (vec, f16, vec, i64, i64, f16, f32, f32, f32)
-            _panel_apply_kernel.warmup(*args, BM=bm, BN=PANEL, **apply, num_warps=warps, grid=(1,))
-    else:
-        options = dict(key[1])
-        work = torch.zeros(16, dtype=work_dtype(options["GRAM"]), device=device)
-        _newton_schulz_kernel.warmup(vec, vec, work, i64, f32, f32, 2, F.NS_EPS, **options, grid=(1,))
+            launches.append(
+                launch(_panel_reduce_kernel, i64, f32, f16, f32, f32, F.NS_EPS, BM=bm, **reduce, num_warps=warps)
+            )
+            args = (dtype, f16, dtype, i64, i64, f16, f32, f32, f32)
+            launches.append(launch(_panel_apply_kernel, *args, BM=bm, BN=PANEL, **apply, num_warps=warps))
+        return launches
+    options = dict(key[1])
+    args = (dtype, dtype, work_dtype(options["GRAM"]), i64, f32, f32, 2, F.NS_EPS)
+    return [launch(_newton_schulz_kernel, *args, **options)]

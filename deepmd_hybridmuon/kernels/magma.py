@@ -12,16 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
 
 from .. import functional as F
+from .common import kernel
 
 #: Elements per partial sum of the Magma kernel (a block spans one or more of them).
 MAGMA_CHUNK: int = 4096
 
 
-@triton.jit(do_not_specialize=["n_chunks"])
+@kernel
 def _magma_partial_kernel(mom_ptr, grad_ptr, bounds_ptr, partial_ptr, n_chunks, BLOCK: tl.constexpr):
     """Sums of m*g, m*m and g*g over one chunk (``bounds[i]:bounds[i + 1]``)."""
     i = tl.program_id(0)
@@ -43,7 +43,7 @@ def _magma_partial_kernel(mom_ptr, grad_ptr, bounds_ptr, partial_ptr, n_chunks, 
     tl.store(partial_ptr + 2 * n_chunks + i, tl.sum(gg))
 
 
-@triton.jit(do_not_specialize=["n_chunks"])
+@kernel
 def _magma_finish_kernel(
     first_ptr,
     partial_ptr,

@@ -37,6 +37,7 @@ from .common import (
     _store_chunk,
     _warps,
     gram_constants,
+    kernel,
     resident,
 )
 from .panel import panelled
@@ -62,7 +63,7 @@ def _apply_left(work, T, rows, cols, m, n, alpha, BN: tl.constexpr):
     tl.debug_barrier()
 
 
-@triton.jit(do_not_specialize=["n_steps", "eps"])
+@kernel
 def _newton_schulz_kernel(
     src_ptr,
     dst_ptr,

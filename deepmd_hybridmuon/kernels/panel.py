@@ -26,7 +26,6 @@ from enum import IntEnum
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
 
 from .. import functional as F
@@ -39,6 +38,7 @@ from .common import (
     _store_chunk,
     _warps,
     gram_constants,
+    kernel,
     resident,
 )
 
@@ -61,7 +61,7 @@ _PANEL_MATRIX = tl.constexpr(int(PanelColumn.MATRIX))
 _PANEL_FIRST_COL = tl.constexpr(int(PanelColumn.FIRST_COL))
 
 
-@triton.jit
+@kernel
 def _panel_gram_kernel(src_ptr, meta_ptr, panel_ptr, partial_ptr, BM: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
     i = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_MATRIX)
@@ -73,7 +73,7 @@ def _panel_gram_kernel(src_ptr, meta_ptr, panel_ptr, partial_ptr, BM: tl.constex
     tl.store(partial_ptr + p * BM * BM + rows[:, None] * BM + rows[None, :], S)
 
 
-@triton.jit
+@kernel
 def _panel_reduce_kernel(
     first_ptr, partial_ptr, q_ptr, inv_ptr, coef_ptr, eps, BM: tl.constexpr,
     START: tl.constexpr, STOP: tl.constexpr, FRESH_Q: tl.constexpr, UPDATES_R: tl.constexpr,
@@ -98,7 +98,7 @@ def _panel_reduce_kernel(
     tl.store(q_ptr + i * BM * BM + tile, Q)
 
 
-@triton.jit
+@kernel
 def _panel_apply_kernel(
     src_ptr,
     work_ptr,

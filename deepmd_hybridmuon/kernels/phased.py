@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import functional as F
-from .common import _inverse_norm, _load_chunk, _store_chunk
+from .common import _inverse_norm, _load_chunk, _store_chunk, kernel
 
 #: Largest smaller side of the phased path; larger matrices stay on cuBLAS (the torch path).
 #: Measured on the H100 (``benchmarks/phased_time.py --sweep``, BENCHMARKS.md): the whole
@@ -265,7 +265,7 @@ def _grid_barrier(counter_ptr, target):
     tl.debug_barrier()
 
 
-@triton.jit(do_not_specialize=["count", "eps"])
+@kernel
 def _phased_kernel(
     src_ptr, dst_ptr, work_ptr, meta_ptr, count, partial_ptr, coef_ptr, scale_ptr, counter_ptr, eps,
     SCHEDULE: tl.constexpr, FIRST: tl.constexpr, STOP: tl.constexpr, SYNC: tl.constexpr, GRAM: tl.constexpr,

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import kernel
+
 #: Elements per program of the address-table kernels.
 SPAN: int = 8192
 
@@ -79,7 +81,7 @@ def _span(spans_ptr, i):
     )
 
 
-@triton.jit
+@kernel
 def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, finite_ptr, BLOCK: tl.constexpr):
     """flat[offset:...] = tensor[first:stop] for one span; finite[span] = 1.0 if all of it is finite, else 0.0."""
     s = tl.program_id(0)
@@ -101,7 +103,7 @@ def _lerp(a, b, w):
     return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
 
 
-@triton.jit
+@kernel
 def _momentum_kernel(grad_ptr, mom_ptr, update_ptr, ok_ptr, beta_ptr, n, BLOCK: tl.constexpr):
     """m <- lerp(m, g, ok (1 - beta)); update = lerp(g, m, beta); g is zeroed (in place) where ok is 0."""
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -118,7 +120,7 @@ def _momentum_kernel(grad_ptr, mom_ptr, update_ptr, ok_ptr, beta_ptr, n, BLOCK: 
     tl.store(update_ptr + idx, _lerp(g, m, beta), mask=mask)
 
 
-@triton.jit
+@kernel
 def _apply_kernel(addr_ptr, spans_ptr, delta_ptr, decay_ptr, BLOCK: tl.constexpr):
     """p[first:stop] = p * decay + delta[offset:...] for one span (two roundings, as in torch)."""
     j, first, stop, offset, d = _span(spans_ptr, tl.program_id(0))

@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Start-up with an empty and with a filled Triton cache: does any optimizer step hold the training loop?
+
+For each config, two ``dp --pt train`` runs of HybridMuon on one GPU through ``timed_dp.py``
+(every optimizer step timed on the host): first with an empty ``TRITON_CACHE_DIR`` (cold: every
+kernel compiles), then with the same folder again (warm). Each run reports its first step, its
+slowest later step, the step from which the Triton kernels ran (the optimizer's log line),
+deepmd's s/batch, and what the training process itself compiled: Triton kernels that missed
+the disk cache and host launchers built with the C compiler (``WATCH_COMPILES=1``).
+
+Usage::
+
+    python benchmarks/cold_start.py dpa3_water dpa4_water --steps 500 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    DEFAULT_CONFIG_DIR,
+    command_line,
+    parse_kw,
+    parse_log,
+    prepare_run,
+    resolve_config,
+    timing_input,
+    utc_now,
+    write_json,
+)
+
+TIMED_DP = Path(__file__).resolve().with_name("timed_dp.py")
+#: The optimizer's log line once the Triton kernels run (deepmd_hybridmuon.optimizer).
+SWITCH_RE = re.compile(r"Triton kernels in use from step (\d+)")
+
+
+def one_run(cfg: dict[str, Any], rundir: Path, cache: Path, timeout: float) -> dict[str, Any]:
+    """One timed ``dp --pt train`` run of ``cfg`` in ``rundir`` with Triton's cache at ``cache``."""
+    env = prepare_run(rundir, cfg, builtin=False)
+    env.update(TRITON_CACHE_DIR=str(cache), STEP_TIMES_DIR=str(rundir / "times"), WATCH_COMPILES="1")
+    cmd = [sys.executable, str(TIMED_DP), "--pt", "train", "input.json"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=rundir, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    wall = time.perf_counter() - t0
+    log = proc.stdout + proc.stderr
+    (rundir / "train.log").write_text(log)
+    times_path = rundir / "times" / "rank0.json"
+    times = json.loads(times_path.read_text()) if times_path.is_file() else {}
+    ours = times.get("HybridMuonOptimizer", {})
+    host = ours.get("host_ms", [])
+    compiles = times.get("_compiles", [])
+    later = host[1:]
+    slowest = max(range(len(later)), key=later.__getitem__) + 1 if later else None
+    switch = SWITCH_RE.search(log)
+    missed = [c for c in compiles if c["what"] == "kernel" and not c["cache_hit"]]
+    launchers = [c for c in compiles if c["what"] == "launcher"]
+    return {
+        "exit": proc.returncode,
+        "wall_s": round(wall, 1),
+        "first_step_ms": host[0] if host else None,
+        "slowest_later_step_ms": host[slowest] if slowest is not None else None,
+        "slowest_later_step": slowest,
+        "steps_over_100ms_after_first": sum(t > 100 for t in later),
+        "kernels_from_step": int(switch.group(1)) if switch else None,
+        "s_per_batch": parse_log(log)["average_s_per_batch"],
+        "compiled_in_training_process": [(c["kernel"], c["after_steps"], c["attrs"]) for c in missed],
+        "launchers_built_in_training_process": [(c["after_steps"], round(c["seconds"], 2)) for c in launchers],
+        "kernel_loads": sum(c["what"] == "kernel" and c["cache_hit"] for c in compiles),
+        "log_lines": [line for line in log.splitlines() if "Triton" in line][:6],
+        "host_ms": host,
+        "tail": log.strip().splitlines()[-5:] if proc.returncode else [],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("configs", nargs="+", help="deepmd inputs, or names in --config-dir (e.g. dpa3_water)")
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--warm-runs", type=int, default=1, help="warm runs after the cold one")
+    ap.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR)
+    ap.add_argument("--opt-kw", nargs="*", default=[], help="HybridMuon options key=value")
+    ap.add_argument(
+        "--model-kw", nargs="*", default=[], help="descriptor options key=value (e.g. a DPA-4 at schema defaults)"
+    )
+    ap.add_argument("--label", default=None, help="row label (default: the config's name)")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="cold_start_"))).resolve()
+    result: dict[str, Any] = {"date": utc_now(), "command": command_line(), "steps": args.steps, "runs": []}
+    opt_kw, model_kw = parse_kw(args.opt_kw), parse_kw(args.model_kw, "--model-kw")
+    try:
+        import torch
+
+        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        pass
+    print("| config | cache | first step (ms) | slowest later step (ms, step) | steps > 100 ms | kernels from step "
+          "| s/batch | compiled here | launchers built here |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for spec in args.configs:
+        path = resolve_config(spec, args.config_dir)
+        config = json.loads(path.read_text())
+        config["model"].setdefault("descriptor", {}).update(model_kw)
+        label = args.label or path.stem
+        cache = workdir / f"{label}_triton_cache"
+        for i in range(1 + args.warm_runs):
+            kind = "cold" if i == 0 else "warm"
+            cfg = timing_input(
+                config, path, "ours", steps=args.steps, disp_freq=100, stat_file=workdir / f"{label}.hdf5",
+                opt_kw=opt_kw,
+            )
+            run = one_run(cfg, workdir / f"{label}_{kind}{i}", cache, args.timeout)
+            run.update(config=label, cache=kind)
+            result["runs"].append(run)
+            first = run["first_step_ms"]
+            slow = run["slowest_later_step_ms"]
+            print(
+                f"| {label} | {kind} | {first if first is None else round(first)} | "
+                f"{slow if slow is None else round(slow)} ({run['slowest_later_step']}) | "
+                f"{run['steps_over_100ms_after_first']} | {run['kernels_from_step']} | {run['s_per_batch']} | "
+                f"{len(run['compiled_in_training_process'])} | {len(run['launchers_built_in_training_process'])} |",
+                flush=True,
+            )
+            if run["exit"]:
+                print("    exit", run["exit"], *run["tail"], sep="\n    ")
+            if args.json:
+                write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
