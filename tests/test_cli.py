@@ -3,6 +3,7 @@ the `dp` command with `check` added and every other command as deepmd-kit's."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from deepmd_hybridmuon.cli import main, triton_decision
+from deepmd_hybridmuon.cli import ECHO_CHARS, MAX_DEPTH, MAX_INPUT_BYTES, MAX_VALUES, main, triton_decision
 from deepmd_hybridmuon.plugin import add_dp_check
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -200,14 +201,30 @@ def test_bad_files_get_a_message_naming_the_file_once(tmp_path, capsys, text, na
 
 def test_legacy_optimizer_key_overriding_the_optimizer_section_is_reported(tmp_path, capsys):
     config = _example(legacy=True)
-    config["optimizer"] = {"type": "Adam"}
+    config["optimizer"] = {"type": "HybridMuon", "momentum": 0.9}
     assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
     captured = capsys.readouterr()
     assert (
-        "warning: training.opt_type='HybridMuon' and optimizer.type='Adam' are both set: deepmd-kit's conversion "
-        "of the legacy layout lets training.opt_type win, so dp train uses 'HybridMuon'"
+        "warning: training.momentum=0.95 and optimizer.momentum=0.9 are both set: deepmd-kit's conversion "
+        "of the legacy layout lets training.momentum win, so dp train uses 0.95"
     ) in captured.err
-    assert "optimizer: HybridMuon" in captured.out  # what deepmd will really do
+    assert "momentum         0.95" in captured.out  # what deepmd will really do
+
+
+def test_legacy_opt_type_contradicting_the_optimizer_section_is_an_error(tmp_path, capsys):
+    config = _example(legacy=True)
+    config["optimizer"] = {"type": "Adam"}
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"error: {tmp_path / 'input.json'}: training.opt_type='HybridMuon' contradicts optimizer.type='Adam': "
+        "deepmd-kit's conversion of the legacy layout lets training.opt_type win, so dp train would use the "
+        "'HybridMuon' optimizer, not 'Adam'. Fix: remove training.opt_type to train with 'Adam' (or set "
+        "optimizer.type to 'HybridMuon' and remove training.opt_type)\n"
+    )
+    config["optimizer"]["type"] = "HybridMuon"  # the same optimizer twice: valid
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
 
 
 # ------------------------------------------------------------------ the real `dp`
@@ -372,3 +389,131 @@ def test_add_dp_check_is_idempotent_and_leaves_other_module_classes_alone(caplog
         add_dp_check(custom)
     assert type(custom) is Custom and custom.main is print
     assert "dp check not added: custom is a Custom, not a plain module" in caplog.text
+
+
+# ------------------------------------------------------------------ hostile inputs
+
+
+def _multi_task(config: dict | None = None) -> dict:
+    """The example as a two-branch multi-task input: type_map and descriptor in shared_dict, one fitting each."""
+    config = config or _example()
+    model = config.pop("model")
+    branch = {"type_map": "type_map_all", "descriptor": "shared_descriptor", "fitting_net": model["fitting_net"]}
+    config["model"] = {
+        "shared_dict": {"type_map_all": model["type_map"], "shared_descriptor": model["descriptor"]},
+        "model_dict": {"one": copy.deepcopy(branch), "two": copy.deepcopy(branch)},
+    }
+    config["loss_dict"] = {"one": config["loss"], "two": config.pop("loss")}
+    training = config["training"]
+    data = {"training_data": training.pop("training_data"), "validation_data": training.pop("validation_data")}
+    training["model_prob"] = {"one": 1.0, "two": 1.0}
+    training["data_dict"] = {"one": data, "two": copy.deepcopy(data)}
+    return config
+
+
+def _nested(levels: int) -> str:
+    return '{"model": {"type_map": ' + "[" * levels + "]" * levels + '}, "training": {}}'
+
+
+def _alias_bomb() -> str:
+    """YAML whose aliases expand the optimizer's unknown key to 10**9 strings (a few hundred bytes on disk)."""
+    levels = ['&a0 ["d","d","d","d","d","d","d","d","d","d"]']
+    levels += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    config = _example()
+    del config["_comment"]
+    config["optimizer"]["zzz"] = "BOMB"
+    return "_comment: [" + ", ".join(levels) + "]\n" + yaml.safe_dump(config).replace("zzz: BOMB", "zzz: *a8")
+
+
+def _hostile(kind: str, tmp_path: Path) -> Path:
+    """Write one hostile input; returns its path."""
+    path = tmp_path / "input.json"
+    config = _example()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev_zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "too_large":
+        with open(path, "wb") as f:  # sparse: no disk used
+            f.truncate(MAX_INPUT_BYTES + 1)
+    elif kind == "deep_10000":
+        path.write_text(_nested(10_000))
+    elif kind == "deep_100":
+        path.write_text(_nested(100))
+    elif kind == "alias_bomb":
+        path = tmp_path / "input.yaml"
+        path.write_text(_alias_bomb())
+    elif kind == "long_unknown_value":
+        config["optimizer"]["zzz"] = "y" * 1_000_000
+        path.write_text(json.dumps(config))
+    elif kind == "long_unknown_key":
+        config["optimizer"]["k" * 100_000] = 1
+        path.write_text(json.dumps(config))
+    elif kind == "multi_task":
+        path.write_text(json.dumps(_multi_task()))
+    elif kind == "multi_task_unknown_shared_item":
+        config = _multi_task()
+        config["model"]["model_dict"]["two"]["descriptor"] = "no_such_item"
+        path.write_text(json.dumps(config))
+    elif kind == "multi_task_model_dict_not_object":
+        config = _multi_task()
+        config["model"]["model_dict"] = ["one", "two"]
+        path.write_text(json.dumps(config))
+    elif kind == "multi_task_zero_stage":
+        config = _multi_task()
+        config["training"]["zero_stage"] = 1
+        path.write_text(json.dumps(config))
+    elif kind in ("opt_type", "opt_type_and_bad_muon_mode"):
+        config["training"]["opt_type"] = "Adam"
+        if kind == "opt_type_and_bad_muon_mode":
+            config["optimizer"]["muon_mode"] = "3d"
+        path.write_text(json.dumps(config))
+    else:
+        raise AssertionError(kind)
+    return path
+
+
+#: (kind, exit status, what the output holds). Each row failed on the code before its fix: the FIFO hung, /dev/zero
+#: and the alias bomb ran out of memory, the 10,000 levels raised RecursionError (a traceback), the long value was
+#: echoed whole, the multi-task input was refused (type_map 'type_map_all' not a list), the opt_type contradiction
+#: was a warning with exit 0 and, with another error, was left out.
+HOSTILE = [
+    ("fifo", 1, "is a named pipe (FIFO), not a regular file"),
+    ("dev_zero", 1, "is a character device, not a regular file"),
+    ("too_large", 1, f"is {MAX_INPUT_BYTES + 1:,} bytes, more than the {MAX_INPUT_BYTES:,} bytes dp check reads"),
+    ("deep_10000", 1, f"nests objects and lists too deeply to be parsed (dp check takes up to {MAX_DEPTH} levels)"),
+    ("deep_100", 1, f"nests objects and lists more than {MAX_DEPTH} levels deep"),
+    ("alias_bomb", 1, f"holds more than {MAX_VALUES:,} values (a value repeated through YAML aliases counts once"),
+    ("long_unknown_value", 1, f"undefined key `zzz` is not allowed in strict mode.  (got '{'y' * ECHO_CHARS}'..."),
+    ("long_unknown_key", 1, f"undefined key `{'k' * ECHO_CHARS}...` is not allowed in strict mode."),
+    ("multi_task", 0, "routing (muon_mode='slice') of each branch (model_dict key):\n  one: "),
+    (
+        "multi_task_unknown_shared_item",
+        1,
+        "[at location `model`] deepmd-kit cannot apply `shared_dict` to `model_dict`",
+    ),
+    ("multi_task_model_dict_not_object", 1, "`model_dict` must be an object of branches (objects), got list ['one'"),
+    ("multi_task_zero_stage", 1, "key `zero_stage` is 1 in a multi-task input; deepmd-kit shards only single-task"),
+    ("opt_type", 1, "training.opt_type='Adam' contradicts optimizer.type='HybridMuon': deepmd-kit's conversion"),
+    (
+        "opt_type_and_bad_muon_mode",
+        1,
+        "so dp train would use the 'Adam' optimizer, not 'HybridMuon'. Fix: remove training.opt_type to train with "
+        "'HybridMuon' (or set optimizer.type to 'Adam' and remove training.opt_type)\n  besides, deepmd-kit's checks "
+        "of the input with training.opt_type applied (as dp train applies it) fail: [at location `optimizer`] "
+        "undefined key `momentum`",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "status", "expected"), HOSTILE, ids=[row[0] for row in HOSTILE])
+def test_hostile_inputs(tmp_path, capsys, kind, status, expected):
+    path = _hostile(kind, tmp_path)
+    assert main(["check", str(path)]) == status
+    captured = capsys.readouterr()
+    if status:
+        assert captured.err.startswith(f"error: {path}: "), captured.err[:500]
+        assert expected in captured.err, captured.err[:500]
+        assert len(captured.err) < 1000  # values cut to a short prefix; no traceback
+    else:
+        assert expected in captured.out, captured.out
