@@ -25,6 +25,7 @@ __all__ = [
     "CheckError",
     "add_check_arguments",
     "check_input",
+    "lr_hint",
     "main",
     "run_check",
     "triton_decision",
@@ -482,57 +483,123 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
     return False, f"off: {why}; batched torch kernels instead"
 
 
-#: What each ``training.zero_stage`` makes of the optimizer under ``torchrun``: (strategy, what the optimizer does).
-ZERO_STAGES: dict[int, tuple[str, str]] = {
+#: What each ``training.zero_stage`` makes of the run under ``torchrun``: (strategy, in a user's words, how the
+#: optimizer does it; the last shown with ``--table`` or ``-v``).
+ZERO_STAGES: dict[int, tuple[str, str, str]] = {
     0: (
         "DDP",
-        "every rank steps the whole parameters (flat engine); where a param_group's Newton-Schulz work is large "
-        "enough to pay (ddp_split='auto'), each rank orthogonalises its share of the Muon matrices and one "
-        "all-gather per step shares the updates",
+        "every GPU holds the whole model and optimizer state and steps every parameter",
+        "flat engine on every rank; where a param_group's Newton-Schulz work is large enough to pay "
+        "(ddp_split='auto'), each rank orthogonalises its share of the Muon matrices and one all-gather per step "
+        "shares the updates",
     ),
     1: (
         "ZeRO-1",
+        "the optimizer state is split across the GPUs: each GPU steps its own share of the parameters",
         "ZeroRedundancyOptimizer: each rank steps its own share of whole parameters (flat engine); ranks agree on "
         "skipping a step with a non-finite gradient",
     ),
     2: (
         "FSDP2",
+        "parameters, gradients and optimizer state are split across the GPUs; each weight matrix's Muon update is "
+        "computed on one GPU",
         "DTensor shards: elementwise work (Adam, momentum, decay) on the local shards; each Muon matrix "
-        "orthogonalised once, on one owner rank (four collectives per step); no Triton kernels",
+        "orthogonalised once, on one owner rank (four collectives per step)",
     ),
     3: (
         "FSDP2",
+        "as zero_stage 2, and each GPU frees the other GPUs' parameters again after the forward pass (less memory, "
+        "more communication)",
         "DTensor shards, parameters resharded after the forward: elementwise work on the local shards; each Muon "
-        "matrix orthogonalised once, on one owner rank (four collectives per step); no Triton kernels",
+        "matrix orthogonalised once, on one owner rank (four collectives per step)",
     ),
 }
+#: Stages whose Muon matrices are orthogonalised by their owner rank (:mod:`.distributed.fsdp`, whose owners run the
+#: engine's Triton kernels when :func:`triton_decision` says on).
+OWNER_STAGES: tuple[int, ...] = (2, 3)
 
 
-def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO) -> None:
-    _, triton_line = triton_decision(bool(section["flash_muon"]), device)
+def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO, *, verbose: bool) -> None:
+    on, triton_line = triton_decision(bool(section["flash_muon"]), device)
     print(f"\non this machine (deepmd trains on {device}):", file=out)
     print(f"  Triton kernels  {triton_line}", file=out)
-    strategy, what = ZERO_STAGES[stage]
-    print(f"  zero_stage {stage}    {strategy} under torchrun: {what}", file=out)
+    strategy, words, mechanism = ZERO_STAGES[stage]
+    print(f"  zero_stage {stage}    {strategy} under torchrun: {words}", file=out)
+    if verbose:
+        print(f"                  how: {mechanism}", file=out)
+        if stage in OWNER_STAGES:
+            kernels = "the Triton kernels" if on else "batched torch kernels (Triton off, as above)"
+            print(f"                  the owner ranks orthogonalise with {kernels}", file=out)
+    else:
+        print("                  (-v or --table: how the optimizer does it)", file=out)
     if stage:
         print("                  (one process: zero_stage is ignored, nothing to shard)", file=out)
+
+
+# ---------------------------------------------------------------- learning rate
+
+#: BENCHMARKS.md ("Training quality on real DFT water" and "DPA-4 water"; README: "Choosing the learning rate"):
+#: at the start_lr that suits Adam (1e-3) HybridMuon learned slowly or not at all, 5e-3 was at the edge on DPA-3,
+#: and about 10x Adam's rate (8e-3 to 2e-2) trained best, on runs of 1000 to 1500 steps.
+ADAM_LR_BELOW = 5e-3
+MUON_LR_FACTOR = 10
+
+
+def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float]:
+    """One line on the learning rate (deepmd's own schedule, as its trainer builds it) and ``start_lr``."""
+    from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
+
+    section, steps = jdata["learning_rate"], int(jdata["training"]["numb_steps"])
+    try:
+        schedule = make_learning_rate_schedule(section, steps)
+        first, last = float(schedule.value(0)), float(schedule.value(max(steps - 1, 0)))
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as err:
+        raise CheckError(
+            f"[at location `learning_rate`] deepmd-kit rejects the schedule with training.numb_steps {steps}: "
+            f"{_cut(str(err))}"
+        ) from err
+    warmup = schedule.warmup_steps
+    line = (
+        f"learning rate: {section.get('type', 'exp')}, start_lr {schedule.start_lr:g} to stop_lr {schedule.stop_lr:g} "
+        f"over {steps:,} steps (training.numb_steps): {first:.3g} at step 0, {last:.3g} at step {max(steps - 1, 0):,}"
+    )
+    if section.get("type", "exp") == "exp" and "decay_steps" in section:
+        line += f"; decays every {section['decay_steps']:,} steps"
+    if warmup:
+        line += f"; warm-up over the first {warmup:,} steps"
+    return line, float(schedule.start_lr)
+
+
+def lr_hint(start_lr: float) -> str | None:
+    """A hint for a HybridMuon ``start_lr`` in the range of Adam's rates (see :data:`ADAM_LR_BELOW`)."""
+    if start_lr >= ADAM_LR_BELOW:
+        return None
+    return (
+        f"hint: start_lr {start_lr:g} is an Adam-sized rate; in BENCHMARKS.md HybridMuon trained best at about "
+        f"{MUON_LR_FACTOR}x Adam's rate (here {start_lr * MUON_LR_FACTOR:g}) on runs of 1000-1500 steps; longer "
+        "runs were not measured (README: Choosing the learning rate)"
+    )
 
 
 # ------------------------------------------------------------------------ the check
 
 
-def check_input(path: str, out: TextIO | None = None, *, routing: bool = True, table: bool = False) -> dict[str, Any]:
-    """Validate ``path`` as deepmd would; print the optimizer settings, the routing and the run's plan.
+def check_input(
+    path: str, out: TextIO | None = None, *, routing: bool = True, table: bool = False, verbose: bool = False
+) -> dict[str, Any]:
+    """Validate ``path`` as deepmd would; print the learning rate, optimizer settings, routing and the run's plan.
 
     Everything is computed before the first line is printed (building the model makes
     deepmd log its advice on threads). ``routing=False`` skips building the model;
-    ``table=True`` adds one row per parameter to the per-route summary.
+    ``table=True`` adds one row per parameter to the per-route summary and, as
+    ``verbose=True`` does, how the optimizer runs under each ``zero_stage``.
 
     Returns the normalised input. Raises :class:`CheckError` with the key path, the bad value
     and what is allowed.
     """
     out = sys.stdout if out is None else out
     jdata, messages, shared_links = _normalize(_load(path))
+    lr_line, start_lr = _lr_schedule(jdata)
     section = jdata.get("optimizer", {})
     hybrid = section.get("type") == "HybridMuon"
     rows: list[Row] = []
@@ -544,9 +611,13 @@ def check_input(path: str, out: TextIO | None = None, *, routing: bool = True, t
     for message in messages:
         print(f"warning: {message}", file=sys.stderr)
     print(f"{path}: valid deepmd-kit input", file=out)
+    print(lr_line, file=out)
     if not hybrid:
         print(f"optimizer: {section.get('type')} (not HybridMuon; nothing more to check)", file=out)
         return jdata
+    hint = lr_hint(start_lr)
+    if hint:
+        print(f"  {hint}", file=out)
     print("optimizer: HybridMuon (deepmd-hybridmuon)", file=out)
     for key, value in section.items():
         if key != "type" and value is not None:
@@ -557,7 +628,8 @@ def check_input(path: str, out: TextIO | None = None, *, routing: bool = True, t
             _print_table(rows, out)
         else:
             print("  (--table lists every parameter)", file=out)
-    _print_machine(section, int(jdata["training"].get("zero_stage", 0)), device, out)
+    stage = int(jdata["training"].get("zero_stage", 0))
+    _print_machine(section, stage, device, out, verbose=verbose or table)
     return jdata
 
 
@@ -566,13 +638,16 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="the input.json (or .yaml) given to `dp --pt train`")
     parser.add_argument("--table", action="store_true", help="also print the routing of every parameter")
     parser.add_argument("--no-routing", action="store_true", help="do not build the model to print the routing")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="also say how the optimizer runs under training.zero_stage"
+    )
 
 
 def run_check(args: argparse.Namespace) -> int:
     """Run the check parsed by :func:`add_check_arguments`; the exit status (0 valid, 1 invalid)."""
     try:
         try:
-            check_input(args.input, routing=not args.no_routing, table=args.table)
+            check_input(args.input, routing=not args.no_routing, table=args.table, verbose=args.verbose)
         except RecursionError as err:
             raise CheckError("nests too deeply for deepmd-kit's checks (Python's recursion limit)") from err
         except MemoryError as err:

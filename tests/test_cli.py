@@ -16,10 +16,20 @@ import pytest
 import torch
 import yaml
 
-from deepmd_hybridmuon.cli import ECHO_CHARS, MAX_DEPTH, MAX_INPUT_BYTES, MAX_VALUES, main, triton_decision
+from deepmd_hybridmuon.cli import (
+    ADAM_LR_BELOW,
+    ECHO_CHARS,
+    MAX_DEPTH,
+    MAX_INPUT_BYTES,
+    MAX_VALUES,
+    MUON_LR_FACTOR,
+    main,
+    triton_decision,
+)
 from deepmd_hybridmuon.plugin import add_dp_check
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SHARED_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"  # /work/shared/configs
 BIN = Path(sys.executable).parent
 DP = str(BIN / "dp")
 DP_HYBRIDMUON = str(BIN / "dp-hybridmuon")
@@ -129,9 +139,10 @@ def test_help_is_plain_text(capsys):
     ("change", "expected"),
     [
         ({"flash_muon": False}, "Triton kernels  off: flash_muon is false; batched torch kernels instead"),
-        ({"zero_stage": 1}, "zero_stage 1    ZeRO-1 under torchrun: ZeroRedundancyOptimizer"),
-        ({"zero_stage": 2}, "zero_stage 2    FSDP2 under torchrun"),
-        ({"zero_stage": 3}, "zero_stage 3    FSDP2 under torchrun"),
+        ({"zero_stage": 0}, "zero_stage 0    DDP under torchrun: every GPU holds the whole model and optimizer state"),
+        ({"zero_stage": 1}, "zero_stage 1    ZeRO-1 under torchrun: the optimizer state is split across the GPUs"),
+        ({"zero_stage": 2}, "zero_stage 2    FSDP2 under torchrun: parameters, gradients and optimizer state are"),
+        ({"zero_stage": 3}, "zero_stage 3    FSDP2 under torchrun: as zero_stage 2, and each GPU frees"),
     ],
 )
 def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, change, expected):
@@ -140,11 +151,84 @@ def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, change, expect
         config["training"].update(change)
     else:
         config["optimizer"].update(change)
-    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
+    path = _write(tmp_path, config)
+    assert main(["check", "--no-routing", path]) == 0
     out = capsys.readouterr().out
     assert expected in out
-    if change.get("zero_stage", 0) >= 2:
-        assert "orthogonalised once, on one owner rank" in out and "no Triton kernels" in out
+    # the mechanism only with -v (or --table)
+    for word in ("all-gather", "owner rank", "ddp_split", "ZeroRedundancyOptimizer", "DTensor"):
+        assert word not in out
+    assert main(["check", "--no-routing", "-v", path]) == 0
+    verbose = capsys.readouterr().out
+    assert expected in verbose and "how: " in verbose
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("flash_muon", [True, False])
+def test_fsdp2_owners_use_the_triton_kernels_where_the_engine_would(tmp_path, capsys, monkeypatch, stage, flash_muon):
+    """distributed/fsdp.py runs the owners' orthogonalisation on the engine's Triton kernels: the check says what
+    triton_decision says (on under Triton's interpreter on the CPU, when Triton is installed)."""
+    config = _example()
+    config["training"]["zero_stage"] = stage
+    config["optimizer"]["flash_muon"] = flash_muon
+    path = _write(tmp_path, config)
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        assert main(["check", "--no-routing", "-v", path]) == 0
+        out = capsys.readouterr().out
+        on, _ = triton_decision(flash_muon, torch.device("cpu"))
+        assert "no Triton kernels" not in out
+        expected = "with the Triton kernels" if on else "with batched torch kernels (Triton off, as above)"
+        assert f"the owner ranks orthogonalise {expected}" in out, out
+
+
+@pytest.mark.parametrize("name", ["input.json", "dpa4_water.json"])
+def test_learning_rate_schedule_is_deepmds(tmp_path, capsys, name):
+    from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
+
+    path = EXAMPLES / name if name == "input.json" else SHARED_CONFIGS / name
+    config = json.loads(path.read_text())
+    assert main(["check", "--no-routing", str(path)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("learning rate: "))
+    steps, lr = config["training"]["numb_steps"], config["learning_rate"]
+    schedule = make_learning_rate_schedule(lr, steps)
+    assert line.startswith(
+        f"learning rate: {lr['type']}, start_lr {lr['start_lr']:g} to stop_lr {lr['stop_lr']:g} over {steps:,} steps "
+        f"(training.numb_steps): {schedule.value(0):.3g} at step 0, {schedule.value(steps - 1):.3g} at step "
+        f"{steps - 1:,}"
+    ), line
+    if lr.get("warmup_ratio"):
+        assert line.endswith(f"; warm-up over the first {int(lr['warmup_ratio'] * steps):,} steps")
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "start_lr", "hint"),
+    [
+        ("HybridMuon", ADAM_LR_BELOW * 0.99, True),
+        ("HybridMuon", 1e-3, True),
+        ("HybridMuon", ADAM_LR_BELOW, False),
+        ("HybridMuon", 0.03, False),
+        ("Adam", 1e-3, False),
+    ],
+)
+def test_hint_for_an_adam_sized_start_lr(tmp_path, capsys, optimizer, start_lr, hint):
+    config = _example()
+    config["learning_rate"].update(start_lr=start_lr, stop_lr=start_lr / 50)
+    if optimizer != "HybridMuon":
+        config["optimizer"] = {"type": optimizer}
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
+    out = capsys.readouterr().out
+    expected = (
+        f"  hint: start_lr {start_lr:g} is an Adam-sized rate; in BENCHMARKS.md HybridMuon trained best at about "
+        f"{MUON_LR_FACTOR}x Adam's rate (here {start_lr * MUON_LR_FACTOR:g})"
+    )
+    assert (expected in out) == hint, out
+    assert out.count("hint:") == hint
+
+
+def test_the_hints_factor_is_the_readmes():
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    assert f"Use a `start_lr` about **{MUON_LR_FACTOR} \N{MULTIPLICATION SIGN} the one you use with Adam**" in readme
 
 
 def test_triton_decision_follows_the_engine_condition(monkeypatch):
@@ -281,7 +365,7 @@ def test_dp_check_invalid_input_exits_1_and_usage_error_exits_2(tmp_path):
     usage = _run([DP, "check"])
     assert usage.returncode == 2 and "dp check: error: the following arguments are required: input" in usage.stderr
     helped = _run([DP, "check", "-h"])
-    assert helped.returncode == 0 and "usage: dp check [-h] [--table] [--no-routing] input" in helped.stdout
+    assert helped.returncode == 0 and "usage: dp check [-h] [--table] [--no-routing] [-v] input" in helped.stdout
 
 
 def _without_check(help_text: str) -> str:
@@ -463,6 +547,9 @@ def _hostile(kind: str, tmp_path: Path) -> Path:
         config = _multi_task()
         config["training"]["zero_stage"] = 1
         path.write_text(json.dumps(config))
+    elif kind == "warmup_beyond_numb_steps":
+        config["learning_rate"]["warmup_steps"] = config["training"]["numb_steps"]
+        path.write_text(json.dumps(config))
     elif kind in ("opt_type", "opt_type_and_bad_muon_mode"):
         config["training"]["opt_type"] = "Adam"
         if kind == "opt_type_and_bad_muon_mode":
@@ -476,7 +563,7 @@ def _hostile(kind: str, tmp_path: Path) -> Path:
 #: (kind, exit status, what the output holds). Each row failed on the code before its fix: the FIFO hung, /dev/zero
 #: and the alias bomb ran out of memory, the 10,000 levels raised RecursionError (a traceback), the long value was
 #: echoed whole, the multi-task input was refused (type_map 'type_map_all' not a list), the opt_type contradiction
-#: was a warning with exit 0 and, with another error, was left out.
+#: was a warning with exit 0 and, with another error, was left out, a warm-up longer than the run passed.
 HOSTILE = [
     ("fifo", 1, "is a named pipe (FIFO), not a regular file"),
     ("dev_zero", 1, "is a character device, not a regular file"),
@@ -494,6 +581,12 @@ HOSTILE = [
     ),
     ("multi_task_model_dict_not_object", 1, "`model_dict` must be an object of branches (objects), got list ['one'"),
     ("multi_task_zero_stage", 1, "key `zero_stage` is 1 in a multi-task input; deepmd-kit shards only single-task"),
+    (
+        "warmup_beyond_numb_steps",
+        1,
+        "[at location `learning_rate`] deepmd-kit rejects the schedule with training.numb_steps 2000: warmup_steps "
+        "must be smaller than num_steps",
+    ),
     ("opt_type", 1, "training.opt_type='Adam' contradicts optimizer.type='HybridMuon': deepmd-kit's conversion"),
     (
         "opt_type_and_bad_muon_mode",
