@@ -610,3 +610,29 @@ def test_hostile_inputs(tmp_path, capsys, kind, status, expected):
         assert len(captured.err) < 1000  # values cut to a short prefix; no traceback
     else:
         assert expected in captured.out, captured.out
+
+
+@pytest.mark.slow
+def test_multi_task_routing_is_what_dp_train_steps(tmp_path, capsys):
+    """A multi-task input with shared_dict: dp check passes, shows each branch, and its count of the parameters dp
+    train steps (shared ones once) is the one dp train's optimizer logs."""
+    from conftest import make_example_data, run_dp
+
+    data = make_example_data(tmp_path, ntrain=4, nvalid=2)
+    config = _multi_task()
+    for branch in ("one", "two"):
+        systems = config["training"]["data_dict"][branch]
+        systems["training_data"]["systems"] = [str(data / "train")]
+        systems["validation_data"]["systems"] = [str(data / "valid")]
+    config["training"].update(numb_steps=2, disp_freq=1, save_freq=2)
+    path = _write(tmp_path, config)
+    assert main(["check", path]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert any(line.startswith("  one: ") for line in lines) and any(line.startswith("  two: ") for line in lines)
+    block = lines[next(i for i, line in enumerate(lines) if line.startswith("  dp train steps ")) :][1:4]
+    ours = {line.split()[0]: (int(line.split()[1]), line.split()[3]) for line in block}
+    log = run_dp(["--pt", "train", "input.json"], tmp_path)
+    logged = log[log.index("routing: muon ") :].splitlines()[0]
+    for route, (count, elements) in ours.items():
+        assert f"{route} {count} tensors / {elements} elements" in logged, (out, logged)
