@@ -35,10 +35,11 @@ __all__ = [
 CHECK_HELP = "validate a dp train input with the HybridMuon schema and print its optimizer routing"
 #: The description of ``check -h``.
 CHECK_DESCRIPTION = (
-    "Check a dp train input before a long run: deepmd-kit's conversion of older layouts and its schema, with "
-    "deepmd-hybridmuon's HybridMuon options. Prints the resolved optimizer settings, the routing of the model's "
-    "parameters (Muon, Adam, AdamW; the model is built from the input, no data needed) and what the run will "
-    "do on this machine. Exit status: 0 valid, 1 invalid input, 2 usage error."
+    "Check a dp train input before a long run: deepmd-kit's conversion of older layouts, multi-task shared_dict "
+    "and its schema, with deepmd-hybridmuon's HybridMuon options. Prints the learning-rate schedule, the resolved "
+    "optimizer settings, the routing of the model's parameters (Muon, Adam, AdamW; per branch for a multi-task "
+    "input; the model is built from the input, no data needed) and what the run will do on this machine. Exit "
+    "status: 0 valid, 1 invalid input, 2 usage error."
 )
 ROUTES: tuple[str, ...] = ("muon", "adam", "adamw")
 #: Top-level sections that must be objects when present (deepmd's compat step assumes it).

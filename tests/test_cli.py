@@ -636,3 +636,14 @@ def test_multi_task_routing_is_what_dp_train_steps(tmp_path, capsys):
     logged = log[log.index("routing: muon ") :].splitlines()[0]
     for route, (count, elements) in ours.items():
         assert f"{route} {count} tensors / {elements} elements" in logged, (out, logged)
+
+
+def test_multi_task_table_marks_the_shared_descriptor(tmp_path, capsys):
+    assert main(["check", "--table", _write(tmp_path, _multi_task())]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("  one.") or line.startswith("  two.")]
+    shared = [row[0] for row in rows if "(shared with one: stepped there)" in " ".join(row)]
+    assert shared and all(name.startswith("two.atomic_model.descriptor.") for name in shared)
+    assert not any(name.startswith("two.atomic_model.fitting_net.") for name in shared)  # not in shared_dict
+    two = next(line for line in lines if line.startswith("  two: "))
+    assert two.endswith(f"({len(shared)} shared with one through shared_dict)")
