@@ -11,6 +11,8 @@ import argparse
 import copy
 import os
 import re
+import reprlib
+import stat
 import sys
 import warnings
 from collections import Counter
@@ -23,6 +25,7 @@ __all__ = [
     "CheckError",
     "add_check_arguments",
     "check_input",
+    "lr_hint",
     "main",
     "run_check",
     "triton_decision",
@@ -32,10 +35,11 @@ __all__ = [
 CHECK_HELP = "validate a dp train input with the HybridMuon schema and print its optimizer routing"
 #: The description of ``check -h``.
 CHECK_DESCRIPTION = (
-    "Check a dp train input before a long run: deepmd-kit's conversion of older layouts and its schema, with "
-    "deepmd-hybridmuon's HybridMuon options. Prints the resolved optimizer settings, the routing of the model's "
-    "parameters (Muon, Adam, AdamW; the model is built from the input, no data needed) and what the run will "
-    "do on this machine. Exit status: 0 valid, 1 invalid input, 2 usage error."
+    "Check a dp train input before a long run: deepmd-kit's conversion of older layouts, multi-task shared_dict "
+    "and its schema, with deepmd-hybridmuon's HybridMuon options. Prints the learning-rate schedule, the resolved "
+    "optimizer settings, the routing of the model's parameters (Muon, Adam, AdamW; per branch for a multi-task "
+    "input; the model is built from the input, no data needed) and what the run will do on this machine. Exit "
+    "status: 0 valid, 1 invalid input, 2 usage error."
 )
 ROUTES: tuple[str, ...] = ("muon", "adam", "adamw")
 #: Top-level sections that must be objects when present (deepmd's compat step assumes it).
@@ -67,9 +71,79 @@ class CheckError(Exception):
 # ------------------------------------------------------------------------- reading
 
 
+#: The largest input file read (bytes); dp train inputs are kilobytes, a long list of systems a few megabytes.
+MAX_INPUT_BYTES = 32 * 1024 * 1024
+#: The deepest nesting of objects and lists accepted (the shared DPA-4 input nests 5 levels).
+MAX_DEPTH = 64
+#: The most values (objects, lists, scalars) an input may hold, a value repeated by a YAML alias once per use.
+MAX_VALUES = 1_000_000
+#: How many characters of an offending value an error message echoes.
+ECHO_CHARS = 80
+
+_FILE_KINDS: tuple[tuple[Any, str], ...] = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to about :data:`ECHO_CHARS` characters, without building the whole of it."""
+    if isinstance(value, str) and len(value) > ECHO_CHARS:
+        return f"{value[:ECHO_CHARS]!r}... ({len(value):,} characters)"
+    brief = reprlib.Repr()
+    brief.maxstring = brief.maxother = ECHO_CHARS
+    brief.maxlist = brief.maxtuple = brief.maxdict = brief.maxset = 8
+    brief.maxlevel = 4
+    text = brief.repr(value)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "..."
+
+
+def _check_file(path: str) -> None:
+    """Refuse what is not a regular file of at most :data:`MAX_INPUT_BYTES` (before opening it: a FIFO blocks)."""
+    try:
+        info = os.stat(path)  # follows symbolic links: a link to /dev/zero is a character device
+    except FileNotFoundError as err:
+        raise CheckError("no such file") from err
+    except OSError as err:
+        raise CheckError(f"cannot be read: {err.strerror or err}") from err
+    if stat.S_ISDIR(info.st_mode):
+        raise CheckError("is a directory, not an input file")
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(info.st_mode)), "not a regular file")
+        raise CheckError(f"is {kind}, not a regular file: give dp check the input file itself")
+    if info.st_size > MAX_INPUT_BYTES:
+        raise CheckError(
+            f"is {info.st_size:,} bytes, more than the {MAX_INPUT_BYTES:,} bytes dp check reads; "
+            "dp train inputs are far smaller"
+        )
+
+
+def _check_extent(data: Any) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` and more than :data:`MAX_VALUES` values (a YAML alias bomb)."""
+    stack = [(data, 1)]
+    count = 0
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise CheckError(
+                f"holds more than {MAX_VALUES:,} values (a value repeated through YAML aliases counts once per "
+                "use); dp train inputs hold far fewer"
+            )
+        if depth > MAX_DEPTH:
+            raise CheckError(f"nests objects and lists more than {MAX_DEPTH} levels deep")
+        if isinstance(node, dict):
+            stack.extend((value, depth + 1) for value in node.values())
+        elif isinstance(node, list):
+            stack.extend((value, depth + 1) for value in node)
+
+
 def _load(path: str) -> Any:
     from deepmd.common import j_loader
 
+    _check_file(path)
     try:
         data = j_loader(path)
     except FileNotFoundError as err:
@@ -80,21 +154,31 @@ def _load(path: str) -> Any:
         raise CheckError(f"cannot be read: {err.strerror or err}") from err
     except TypeError as err:  # j_loader's answer to another suffix
         raise CheckError(f"unknown file type {os.path.splitext(path)[1]!r}: expected .json, .yaml or .yml") from err
+    except RecursionError as err:  # json's and yaml's parsers recurse once per level of nesting
+        raise CheckError(
+            f"nests objects and lists too deeply to be parsed (dp check takes up to {MAX_DEPTH} levels)"
+        ) from err
     except ValueError as err:  # json.JSONDecodeError, UnicodeDecodeError
-        raise CheckError(f"cannot be parsed as JSON: {err}") from err
+        raise CheckError(f"cannot be parsed as JSON: {_cut(str(err))}") from err
     except Exception as err:  # yaml.YAMLError (yaml is deepmd's dependency, not ours)
         if type(err).__module__.startswith("yaml"):
             mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise CheckError(f"cannot be parsed as YAML{where}: {problem or err}") from err
+            raise CheckError(f"cannot be parsed as YAML{where}: {_cut(str(problem or err))}") from err
         raise
+    _check_extent(data)
     return data
+
+
+def _cut(text: str, limit: int = 4 * ECHO_CHARS) -> str:
+    """A message cut to ``limit`` characters (a parser or deepmd may quote the input at length)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters in all)"
 
 
 def _describe(value: Any) -> str:
     if value is None:
         return "nothing (an empty file or null)"
-    return f"{type(value).__name__} {value!r}"[:120]
+    return f"{type(value).__name__} {_short(value)}"
 
 
 def _check_layout(jdata: Any) -> None:
@@ -116,63 +200,129 @@ def _check_layout(jdata: Any) -> None:
         )
 
 
-def _legacy_conflicts(jdata: dict[str, Any]) -> list[str]:
+def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
     """Keys set both in ``optimizer`` and, the legacy way, in ``training``, with different values.
 
     deepmd-kit's compat step merges the legacy keys over the ``optimizer`` section: the
-    legacy value wins, silently.
+    legacy value wins, silently. Returns the error for a contradicting ``opt_type`` (the
+    run would train another optimizer than the section names) and a warning for each
+    other key.
     """
     section, training = jdata.get("optimizer", {}), jdata["training"]
-    messages = []
+    error, messages = None, []
     for legacy, key in LEGACY_OPTIMIZER_KEYS.items():
-        if legacy in training and key in section and training[legacy] != section[key]:
-            messages.append(
-                f"training.{legacy}={training[legacy]!r} and optimizer.{key}={section[key]!r} are both set: "
-                f"deepmd-kit's conversion of the legacy layout lets training.{legacy} win, so dp train uses "
-                f"{training[legacy]!r}; remove one of them"
+        if legacy not in training or key not in section or training[legacy] == section[key]:
+            continue
+        theirs, ours = _short(training[legacy]), _short(section[key])
+        if legacy == "opt_type":
+            error = (
+                f"training.opt_type={theirs} contradicts optimizer.type={ours}: deepmd-kit's conversion of the "
+                f"legacy layout lets training.opt_type win, so dp train would use the {theirs} optimizer, not "
+                f"{ours}. Fix: remove training.opt_type to train with {ours} (or set optimizer.type to {theirs} "
+                "and remove training.opt_type)"
             )
-    return messages
+        else:
+            messages.append(
+                f"training.{legacy}={theirs} and optimizer.{key}={ours} are both set: deepmd-kit's conversion "
+                f"of the legacy layout lets training.{legacy} win, so dp train uses {theirs}; remove one of them"
+            )
+    return error, messages
 
 
 def _with_value(message: str, path: str, jdata: dict[str, Any]) -> str:
     """Append the offending value to a dargs message (dargs names the key but not the value)."""
     match = re.search(r"key `([^`]+)`", message)
+    shown = re.sub(rf"`([^`]{{{ECHO_CHARS + 1},}})`", lambda m: f"`{m.group(1)[:ECHO_CHARS]}...`", message)
     if match is None:
-        return message
+        return _cut(shown)
     node: Any = jdata
     for part in [p for p in path.split("/") if p] + [match.group(1)]:
         if not isinstance(node, dict) or part not in node:
-            return message
+            return _cut(shown)
         node = node[part]
-    return f"{message} (got {node!r})"
+    return f"{_cut(shown)} (got {_short(node)})"
 
 
-def _normalize(jdata: Any) -> tuple[dict[str, Any], list[str]]:
-    """deepmd's compat conversion and normalisation, our schema registered; collect warnings."""
+def _share(model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A multi-task ``model`` with its ``shared_dict`` items put in place, as dp train does first; and the links."""
+    from deepmd.pt.utils.multi_task import preprocess_shared_params
+
+    branches = model["model_dict"]
+    if not isinstance(branches, dict) or not all(isinstance(b, dict) for b in branches.values()):
+        raise CheckError(
+            f"[at location `model`] `model_dict` must be an object of branches (objects), got {_describe(branches)}"
+        )
+    if not isinstance(model.get("shared_dict", {}), dict):
+        raise CheckError(
+            f"[at location `model`] `shared_dict` must be an object, got {_describe(model['shared_dict'])}"
+        )
+    if "RANDOM" in branches:  # dp train asserts it
+        raise CheckError("[at location `model/model_dict`] a branch cannot be named 'RANDOM' in multi-task mode")
+    try:
+        return preprocess_shared_params(copy.deepcopy(model))
+    except (KeyError, TypeError, AttributeError, ValueError, AssertionError, IndexError) as err:
+        raise CheckError(
+            f"[at location `model`] deepmd-kit cannot apply `shared_dict` to `model_dict` ({type(err).__name__}: "
+            f"{_cut(str(err))}): each string value naming a shared item must be a key of shared_dict"
+        ) from err
+
+
+def _normalize(jdata: Any) -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
+    """deepmd's compat conversion and normalisation, our schema registered; collect warnings.
+
+    Also returns the links of a multi-task input's ``shared_dict`` items (``None`` for one model).
+    """
+    from .plugin import register_schema
+
+    _check_layout(jdata)
+    register_schema()
+    conflict, messages = _legacy_conflicts(jdata)
+    try:
+        jdata, more, shared_links = _convert(jdata)
+    except CheckError as err:
+        if conflict is None:
+            raise
+        raise CheckError(
+            f"{conflict}\n  besides, deepmd-kit's checks of the input with training.opt_type applied (as dp train "
+            f"applies it) fail: {err}"
+        ) from err
+    if conflict is not None:
+        raise CheckError(conflict)
+    return jdata, messages + more, shared_links
+
+
+def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
+    """dp train's steps before it builds the model: shared_dict, the compat conversion, the schema."""
     from dargs.dargs import ArgumentError
     from deepmd.utils.argcheck import normalize
     from deepmd.utils.compat import update_deepmd_input
 
-    from .plugin import register_schema
     from .schema import resolve_legacy_keys
 
-    _check_layout(jdata)
-    register_schema()
-    messages = _legacy_conflicts(jdata)
+    messages: list[str] = []
+    shared_links = None
+    if "model_dict" in jdata.get("model", {}):
+        jdata = {**jdata}
+        jdata["model"], shared_links = _share(jdata["model"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             jdata = update_deepmd_input(jdata, warning=True)
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise CheckError(
-                f"deepmd-kit's conversion of older input layouts failed ({type(err).__name__}: {err}); "
+                f"deepmd-kit's conversion of older input layouts failed ({type(err).__name__}: {_cut(str(err))}); "
                 "see `dp doc-train-input` for the current layout"
             ) from err
         multi_task = "model_dict" in jdata.get("model", {})
         training = jdata.get("training", {})
         stage = training.get("zero_stage", 0) if isinstance(training, dict) else 0
         if stage not in (0, 1, 2, 3):
-            raise CheckError(f"[at location `training`] key `zero_stage` must be 0, 1, 2 or 3 (got {stage!r})")
+            raise CheckError(f"[at location `training`] key `zero_stage` must be 0, 1, 2 or 3 (got {_short(stage)})")
+        if stage and multi_task:  # deepmd's trainer refuses it after loading the data
+            raise CheckError(
+                f"[at location `training`] key `zero_stage` is {stage} in a multi-task input; deepmd-kit shards "
+                "only single-task training: use zero_stage 0"
+            )
         if stage >= 2 and training.get("enable_ema"):  # DPA-4's examples enable EMA
             raise CheckError(
                 f"[at location `training`] key `enable_ema` is true with `zero_stage` {stage}; deepmd-kit trains "
@@ -183,14 +333,14 @@ def _normalize(jdata: Any) -> tuple[dict[str, Any], list[str]]:
         except ArgumentError as err:
             raise CheckError(_with_value(str(err), err.path, jdata)) from err
         except ValueError as err:  # deepmd's own cross-key checks
-            raise CheckError(f"deepmd-kit rejects the input: {err}") from err
-    messages += [str(w.message) for w in caught if issubclass(w.category, (DeprecationWarning, UserWarning))]
+            raise CheckError(f"deepmd-kit rejects the input: {_cut(str(err))}") from err
+    messages += [_cut(str(w.message)) for w in caught if issubclass(w.category, (DeprecationWarning, UserWarning))]
     section = jdata.get("optimizer", {})
     if section.get("type") == "HybridMuon":
         resolved, legacy = resolve_legacy_keys(section)
         messages += legacy
         jdata["optimizer"] = {"type": "HybridMuon", **{k: v for k, v in resolved.items() if k != "type"}}
-    return jdata, messages
+    return jdata, messages, shared_links
 
 
 def _validate_optimizer(section: dict[str, Any]) -> None:
@@ -217,48 +367,80 @@ def _validate_optimizer(section: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------- routing
 
-Row = tuple[str, tuple[int, ...], str, str, str, int]
+#: One parameter: (branch, name, shape, route, matrix view, reason, elements, branch it is shared with or "").
+Row = tuple[str, str, tuple[int, ...], str, str, str, int, str]
 
 
-def _models(model_section: dict[str, Any]) -> dict[str, Any]:
+def _models(model_section: dict[str, Any], shared_links: dict[str, Any] | None) -> dict[str, Any]:
+    """The model, or one per branch (``model_dict`` key) with the ``shared_dict`` items shared as dp train does."""
     from deepmd.pt.model.model import get_model
 
-    if "model_dict" in model_section:
-        return {key: get_model(sub) for key, sub in model_section["model_dict"].items()}
-    return {"": get_model(model_section)}
+    if "model_dict" not in model_section:
+        return {"": get_model(model_section)}
+    from deepmd.pt.train.wrapper import ModelWrapper
+
+    models = {key: get_model(sub) for key, sub in model_section["model_dict"].items()}
+    wrapper = ModelWrapper(models)
+    if shared_links:
+        # resume=True: link the modules, leave the statistics (they need data) alone
+        wrapper.share_params(shared_links, model_key_prob_map=dict.fromkeys(models, 1.0), resume=True)
+    return dict(wrapper.model.items())
 
 
 def _routing_rows(models: dict[str, Any], muon_mode: str) -> list[Row]:
     from .functional import route_parameter
 
     rows = []
+    first_branch: dict[int, str] = {}  # id of a parameter -> the first branch holding it
     for key, model in models.items():
         for name, p in model.named_parameters():
             full = f"{key}.{name}" if key else name
             r = route_parameter(full, tuple(p.shape), muon_mode)
             view = "x".join(str(d) for d in r.view) if r.view else "-"
-            rows.append((full, tuple(p.shape), r.route, view, r.reason, p.numel()))
+            shared = first_branch.setdefault(id(p), key)
+            rows.append(
+                (key, full, tuple(p.shape), r.route, view, r.reason, p.numel(), "" if shared == key else shared)
+            )
     return rows
 
 
-def _print_summary(rows: list[Row], muon_mode: str, out: TextIO) -> None:
+def _print_routes(rows: list[Row], out: TextIO, indent: str = "  ") -> None:
     """Count and elements per route, with the reasons behind each count."""
-    print(f"\nrouting (muon_mode={muon_mode!r}): {len(rows)} parameters", file=out)
     for route in ROUTES:
-        picked = [r for r in rows if r[2] == route]
-        reasons = Counter(r[4] for r in picked)
+        picked = [r for r in rows if r[3] == route]
+        reasons = Counter(r[5] for r in picked)
         why = ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items()))
-        line = f"  {route:6s} {len(picked):4d} tensors {sum(r[5] for r in picked):12,d} elements"
+        line = f"{indent}{route:6s} {len(picked):4d} tensors {sum(r[6] for r in picked):12,d} elements"
         print(f"{line}  ({why})" if why else line, file=out)
+
+
+def _print_summary(rows: list[Row], muon_mode: str, out: TextIO) -> None:
+    """The routes of the model, or of each branch and of the parameters dp train steps (shared ones once)."""
+    branches = list(dict.fromkeys(r[0] for r in rows))
+    if branches in ([], [""]):
+        print(f"\nrouting (muon_mode={muon_mode!r}): {len(rows)} parameters", file=out)
+        _print_routes(rows, out)
+        return
+    print(f"\nrouting (muon_mode={muon_mode!r}) of each branch (model_dict key):", file=out)
+    for branch in branches:
+        mine = [r for r in rows if r[0] == branch]
+        shared = Counter(r[7] for r in mine if r[7])
+        note = "; ".join(f"{n} shared with {other} through shared_dict" for other, n in shared.items())
+        print(f"  {branch}: {len(mine)} parameters" + (f" ({note})" if note else ""), file=out)
+        _print_routes(mine, out, indent="    ")
+    distinct = [r for r in rows if not r[7]]
+    print(f"  dp train steps {len(distinct)} parameters (each shared one once):", file=out)
+    _print_routes(distinct, out, indent="    ")
 
 
 def _print_table(rows: list[Row], out: TextIO) -> None:
     """One row per parameter: name, shape, route, matrix view, reason."""
-    width = max([len(r[0]) for r in rows] + [9])
+    width = max([len(r[1]) for r in rows] + [9])
     print("\nrouting table:", file=out)
     print(f"  {'parameter':{width}s}  {'shape':18s} {'route':6s} {'matrices':12s} reason", file=out)
-    for name, shape, route, view, reason, _ in rows:
-        print(f"  {name:{width}s}  {shape!s:18s} {route:6s} {view:12s} {reason}", file=out)
+    for _, name, shape, route, view, reason, _, shared in rows:
+        also = f" (shared with {shared}: stepped there)" if shared else ""
+        print(f"  {name:{width}s}  {shape!s:18s} {route:6s} {view:12s} {reason}{also}", file=out)
 
 
 # --------------------------------------------------------------------- this machine
@@ -302,71 +484,141 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
     return False, f"off: {why}; batched torch kernels instead"
 
 
-#: What each ``training.zero_stage`` makes of the optimizer under ``torchrun``: (strategy, what the optimizer does).
-ZERO_STAGES: dict[int, tuple[str, str]] = {
+#: What each ``training.zero_stage`` makes of the run under ``torchrun``: (strategy, in a user's words, how the
+#: optimizer does it; the last shown with ``--table`` or ``-v``).
+ZERO_STAGES: dict[int, tuple[str, str, str]] = {
     0: (
         "DDP",
-        "every rank steps the whole parameters (flat engine); where a param_group's Newton-Schulz work is large "
-        "enough to pay (ddp_split='auto'), each rank orthogonalises its share of the Muon matrices and one "
-        "all-gather per step shares the updates",
+        "every GPU holds the whole model and optimizer state and steps every parameter",
+        "flat engine on every rank; where a param_group's Newton-Schulz work is large enough to pay "
+        "(ddp_split='auto'), each rank orthogonalises its share of the Muon matrices and one all-gather per step "
+        "shares the updates",
     ),
     1: (
         "ZeRO-1",
+        "the optimizer state is split across the GPUs: each GPU steps its own share of the parameters",
         "ZeroRedundancyOptimizer: each rank steps its own share of whole parameters (flat engine); ranks agree on "
         "skipping a step with a non-finite gradient",
     ),
     2: (
         "FSDP2",
+        "parameters, gradients and optimizer state are split across the GPUs; each weight matrix's Muon update is "
+        "computed on one GPU",
         "DTensor shards: elementwise work (Adam, momentum, decay) on the local shards; each Muon matrix "
-        "orthogonalised once, on one owner rank (four collectives per step); no Triton kernels",
+        "orthogonalised once, on one owner rank (four collectives per step)",
     ),
     3: (
         "FSDP2",
+        "as zero_stage 2, and each GPU frees the other GPUs' parameters again after the forward pass (less memory, "
+        "more communication)",
         "DTensor shards, parameters resharded after the forward: elementwise work on the local shards; each Muon "
-        "matrix orthogonalised once, on one owner rank (four collectives per step); no Triton kernels",
+        "matrix orthogonalised once, on one owner rank (four collectives per step)",
     ),
 }
+#: Stages whose Muon matrices are orthogonalised by their owner rank (:mod:`.distributed.fsdp`, whose owners run the
+#: engine's Triton kernels when :func:`triton_decision` says on).
+OWNER_STAGES: tuple[int, ...] = (2, 3)
 
 
-def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO) -> None:
-    _, triton_line = triton_decision(bool(section["flash_muon"]), device)
+def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO, *, verbose: bool) -> None:
+    on, triton_line = triton_decision(bool(section["flash_muon"]), device)
     print(f"\non this machine (deepmd trains on {device}):", file=out)
     print(f"  Triton kernels  {triton_line}", file=out)
-    strategy, what = ZERO_STAGES[stage]
-    print(f"  zero_stage {stage}    {strategy} under torchrun: {what}", file=out)
+    strategy, words, mechanism = ZERO_STAGES[stage]
+    print(f"  zero_stage {stage}    {strategy} under torchrun: {words}", file=out)
+    if verbose:
+        print(f"                  how: {mechanism}", file=out)
+        if stage in OWNER_STAGES:
+            kernels = "the Triton kernels" if on else "batched torch kernels (Triton off, as above)"
+            print(f"                  the owner ranks orthogonalise with {kernels}", file=out)
+    else:
+        print("                  (-v or --table: how the optimizer does it)", file=out)
     if stage:
         print("                  (one process: zero_stage is ignored, nothing to shard)", file=out)
+
+
+# ---------------------------------------------------------------- learning rate
+
+#: BENCHMARKS.md ("Training quality on real DFT water" and "DPA-4 water"; README: "Choosing the learning rate"):
+#: at the start_lr that suits Adam (1e-3) HybridMuon learned slowly or not at all, 5e-3 was at the edge on DPA-3,
+#: and about 10x Adam's rate (8e-3 to 2e-2) trained best, on runs of 1000 to 1500 steps.
+ADAM_LR_BELOW = 5e-3
+MUON_LR_FACTOR = 10
+
+
+def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float]:
+    """One line on the learning rate (deepmd's own schedule, as its trainer builds it) and ``start_lr``."""
+    from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
+
+    section, steps = jdata["learning_rate"], int(jdata["training"]["numb_steps"])
+    try:
+        schedule = make_learning_rate_schedule(section, steps)
+        first, last = float(schedule.value(0)), float(schedule.value(max(steps - 1, 0)))
+    except (ValueError, TypeError, KeyError, ZeroDivisionError) as err:
+        raise CheckError(
+            f"[at location `learning_rate`] deepmd-kit rejects the schedule with training.numb_steps {steps}: "
+            f"{_cut(str(err))}"
+        ) from err
+    warmup = schedule.warmup_steps
+    line = (
+        f"learning rate: {section.get('type', 'exp')}, start_lr {schedule.start_lr:g} to stop_lr {schedule.stop_lr:g} "
+        f"over {steps:,} steps (training.numb_steps): {first:.3g} at step 0, {last:.3g} at step {max(steps - 1, 0):,}"
+    )
+    if section.get("type", "exp") == "exp" and "decay_steps" in section:
+        line += f"; decays every {section['decay_steps']:,} steps"
+    if warmup:
+        line += f"; warm-up over the first {warmup:,} steps"
+    return line, float(schedule.start_lr)
+
+
+def lr_hint(start_lr: float) -> str | None:
+    """A hint for a HybridMuon ``start_lr`` in the range of Adam's rates (see :data:`ADAM_LR_BELOW`)."""
+    if start_lr >= ADAM_LR_BELOW:
+        return None
+    return (
+        f"hint: start_lr {start_lr:g} is an Adam-sized rate; in BENCHMARKS.md HybridMuon trained best at about "
+        f"{MUON_LR_FACTOR}x Adam's rate (here {start_lr * MUON_LR_FACTOR:g}) on runs of 1000-1500 steps; longer "
+        "runs were not measured (README: Choosing the learning rate)"
+    )
 
 
 # ------------------------------------------------------------------------ the check
 
 
-def check_input(path: str, out: TextIO | None = None, *, routing: bool = True, table: bool = False) -> dict[str, Any]:
-    """Validate ``path`` as deepmd would; print the optimizer settings, the routing and the run's plan.
+def check_input(
+    path: str, out: TextIO | None = None, *, routing: bool = True, table: bool = False, verbose: bool = False
+) -> dict[str, Any]:
+    """Validate ``path`` as deepmd would; print the learning rate, optimizer settings, routing and the run's plan.
 
     Everything is computed before the first line is printed (building the model makes
     deepmd log its advice on threads). ``routing=False`` skips building the model;
-    ``table=True`` adds one row per parameter to the per-route summary.
+    ``table=True`` adds one row per parameter to the per-route summary and, as
+    ``verbose=True`` does, how the optimizer runs under each ``zero_stage``.
 
     Returns the normalised input. Raises :class:`CheckError` with the key path, the bad value
     and what is allowed.
     """
     out = sys.stdout if out is None else out
-    jdata, messages = _normalize(_load(path))
+    jdata, messages, shared_links = _normalize(_load(path))
+    lr_line, start_lr = _lr_schedule(jdata)
     section = jdata.get("optimizer", {})
     hybrid = section.get("type") == "HybridMuon"
     rows: list[Row] = []
     if hybrid:
         _validate_optimizer(section)
         if routing:
-            rows = _routing_rows(_models(jdata["model"]), section["muon_mode"])
+            rows = _routing_rows(_models(jdata["model"], shared_links), section["muon_mode"])
         device = _training_device()
     for message in messages:
         print(f"warning: {message}", file=sys.stderr)
     print(f"{path}: valid deepmd-kit input", file=out)
+    print(lr_line, file=out)
     if not hybrid:
         print(f"optimizer: {section.get('type')} (not HybridMuon; nothing more to check)", file=out)
         return jdata
+    hint = lr_hint(start_lr)
+    if hint:
+        print(f"  {hint}", file=out)
     print("optimizer: HybridMuon (deepmd-hybridmuon)", file=out)
     for key, value in section.items():
         if key != "type" and value is not None:
@@ -377,7 +629,8 @@ def check_input(path: str, out: TextIO | None = None, *, routing: bool = True, t
             _print_table(rows, out)
         else:
             print("  (--table lists every parameter)", file=out)
-    _print_machine(section, int(jdata["training"].get("zero_stage", 0)), device, out)
+    stage = int(jdata["training"].get("zero_stage", 0))
+    _print_machine(section, stage, device, out, verbose=verbose or table)
     return jdata
 
 
@@ -386,12 +639,20 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="the input.json (or .yaml) given to `dp --pt train`")
     parser.add_argument("--table", action="store_true", help="also print the routing of every parameter")
     parser.add_argument("--no-routing", action="store_true", help="do not build the model to print the routing")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="also say how the optimizer runs under training.zero_stage"
+    )
 
 
 def run_check(args: argparse.Namespace) -> int:
     """Run the check parsed by :func:`add_check_arguments`; the exit status (0 valid, 1 invalid)."""
     try:
-        check_input(args.input, routing=not args.no_routing, table=args.table)
+        try:
+            check_input(args.input, routing=not args.no_routing, table=args.table, verbose=args.verbose)
+        except RecursionError as err:
+            raise CheckError("nests too deeply for deepmd-kit's checks (Python's recursion limit)") from err
+        except MemoryError as err:
+            raise CheckError("needs more memory to check than this machine has") from err
     except CheckError as err:
         print(f"error: {args.input}: {err}", file=sys.stderr)
         return 1

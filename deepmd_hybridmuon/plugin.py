@@ -45,6 +45,7 @@ __all__ = [
     "SUPPORTED_DEEPMD",
     "add_dp_check",
     "check_deepmd_version",
+    "disabled_notice",
     "on_deepmd_backend",
     "on_deepmd_pt",
     "on_deepmd_pt_expt",
@@ -451,16 +452,54 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
 # ------------------------------------------------------------------------ entry points
 
 #: Set this environment variable to a non-empty value other than "0" to keep deepmd-kit's
-#: built-in HybridMuon (e.g. to compare both); the entry points then do nothing.
+#: built-in HybridMuon (e.g. to compare both); the entry points then only make the trainer log
+#: that (:func:`disabled_notice`).
 DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
+
+
+_NOTICE = "_hybridmuon_disabled_notice"
+
+
+def disabled_notice(module: Any) -> None:
+    """With :data:`DISABLE_ENV` set: ``module.Trainer`` logs that deepmd-kit's optimizer runs, and why.
+
+    One line, when the first trainer is built (at import, before dp sets up its log, the
+    line would be lost). Changes nothing else of the trainer. Idempotent.
+    """
+    trainer = getattr(module, "Trainer", None)
+    if trainer is None or getattr(trainer, _NOTICE, False):
+        return
+    original_init = trainer.__init__
+    said: list[bool] = []
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, config: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if not said:
+            said.append(True)
+            kind = (config.get("optimizer") or {}).get("type", "default")
+            log.info(
+                "deepmd-hybridmuon is off (%s=%s in the environment): deepmd-kit's built-in %s optimizer runs",
+                DISABLE_ENV,
+                os.environ.get(DISABLE_ENV, ""),
+                kind,
+            )
+        original_init(self, config, *args, **kwargs)
+
+    trainer.__init__ = __init__
+    setattr(trainer, _NOTICE, True)
 
 
 def _enable(trainer_module: str | None) -> bool:
     """Version check and schema registration; then patch ``trainer_module`` when it is imported.
 
-    Returns ``False`` (and does nothing) when :data:`DISABLE_ENV` is set.
+    Returns ``False`` when :data:`DISABLE_ENV` is set; then the trainer only gets
+    :func:`disabled_notice`'s log line.
     """
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        if trainer_module is not None:
+            import wrapt
+
+            wrapt.register_post_import_hook(disabled_notice, trainer_module)
         return False
     check_deepmd_version()
     register_schema()

@@ -3,6 +3,7 @@ the `dp` command with `check` added and every other command as deepmd-kit's."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -15,10 +16,20 @@ import pytest
 import torch
 import yaml
 
-from deepmd_hybridmuon.cli import main, triton_decision
+from deepmd_hybridmuon.cli import (
+    ADAM_LR_BELOW,
+    ECHO_CHARS,
+    MAX_DEPTH,
+    MAX_INPUT_BYTES,
+    MAX_VALUES,
+    MUON_LR_FACTOR,
+    main,
+    triton_decision,
+)
 from deepmd_hybridmuon.plugin import add_dp_check
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SHARED_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"  # /work/shared/configs
 BIN = Path(sys.executable).parent
 DP = str(BIN / "dp")
 DP_HYBRIDMUON = str(BIN / "dp-hybridmuon")
@@ -128,9 +139,10 @@ def test_help_is_plain_text(capsys):
     ("change", "expected"),
     [
         ({"flash_muon": False}, "Triton kernels  off: flash_muon is false; batched torch kernels instead"),
-        ({"zero_stage": 1}, "zero_stage 1    ZeRO-1 under torchrun: ZeroRedundancyOptimizer"),
-        ({"zero_stage": 2}, "zero_stage 2    FSDP2 under torchrun"),
-        ({"zero_stage": 3}, "zero_stage 3    FSDP2 under torchrun"),
+        ({"zero_stage": 0}, "zero_stage 0    DDP under torchrun: every GPU holds the whole model and optimizer state"),
+        ({"zero_stage": 1}, "zero_stage 1    ZeRO-1 under torchrun: the optimizer state is split across the GPUs"),
+        ({"zero_stage": 2}, "zero_stage 2    FSDP2 under torchrun: parameters, gradients and optimizer state are"),
+        ({"zero_stage": 3}, "zero_stage 3    FSDP2 under torchrun: as zero_stage 2, and each GPU frees"),
     ],
 )
 def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, change, expected):
@@ -139,11 +151,84 @@ def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, change, expect
         config["training"].update(change)
     else:
         config["optimizer"].update(change)
-    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
+    path = _write(tmp_path, config)
+    assert main(["check", "--no-routing", path]) == 0
     out = capsys.readouterr().out
     assert expected in out
-    if change.get("zero_stage", 0) >= 2:
-        assert "orthogonalised once, on one owner rank" in out and "no Triton kernels" in out
+    # the mechanism only with -v (or --table)
+    for word in ("all-gather", "owner rank", "ddp_split", "ZeroRedundancyOptimizer", "DTensor"):
+        assert word not in out
+    assert main(["check", "--no-routing", "-v", path]) == 0
+    verbose = capsys.readouterr().out
+    assert expected in verbose and "how: " in verbose
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("flash_muon", [True, False])
+def test_fsdp2_owners_use_the_triton_kernels_where_the_engine_would(tmp_path, capsys, monkeypatch, stage, flash_muon):
+    """distributed/fsdp.py runs the owners' orthogonalisation on the engine's Triton kernels: the check says what
+    triton_decision says (on under Triton's interpreter on the CPU, when Triton is installed)."""
+    config = _example()
+    config["training"]["zero_stage"] = stage
+    config["optimizer"]["flash_muon"] = flash_muon
+    path = _write(tmp_path, config)
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        assert main(["check", "--no-routing", "-v", path]) == 0
+        out = capsys.readouterr().out
+        on, _ = triton_decision(flash_muon, torch.device("cpu"))
+        assert "no Triton kernels" not in out
+        expected = "with the Triton kernels" if on else "with batched torch kernels (Triton off, as above)"
+        assert f"the owner ranks orthogonalise {expected}" in out, out
+
+
+@pytest.mark.parametrize("name", ["input.json", "dpa4_water.json"])
+def test_learning_rate_schedule_is_deepmds(tmp_path, capsys, name):
+    from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
+
+    path = EXAMPLES / name if name == "input.json" else SHARED_CONFIGS / name
+    config = json.loads(path.read_text())
+    assert main(["check", "--no-routing", str(path)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("learning rate: "))
+    steps, lr = config["training"]["numb_steps"], config["learning_rate"]
+    schedule = make_learning_rate_schedule(lr, steps)
+    assert line.startswith(
+        f"learning rate: {lr['type']}, start_lr {lr['start_lr']:g} to stop_lr {lr['stop_lr']:g} over {steps:,} steps "
+        f"(training.numb_steps): {schedule.value(0):.3g} at step 0, {schedule.value(steps - 1):.3g} at step "
+        f"{steps - 1:,}"
+    ), line
+    if lr.get("warmup_ratio"):
+        assert line.endswith(f"; warm-up over the first {int(lr['warmup_ratio'] * steps):,} steps")
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "start_lr", "hint"),
+    [
+        ("HybridMuon", ADAM_LR_BELOW * 0.99, True),
+        ("HybridMuon", 1e-3, True),
+        ("HybridMuon", ADAM_LR_BELOW, False),
+        ("HybridMuon", 0.03, False),
+        ("Adam", 1e-3, False),
+    ],
+)
+def test_hint_for_an_adam_sized_start_lr(tmp_path, capsys, optimizer, start_lr, hint):
+    config = _example()
+    config["learning_rate"].update(start_lr=start_lr, stop_lr=start_lr / 50)
+    if optimizer != "HybridMuon":
+        config["optimizer"] = {"type": optimizer}
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
+    out = capsys.readouterr().out
+    expected = (
+        f"  hint: start_lr {start_lr:g} is an Adam-sized rate; in BENCHMARKS.md HybridMuon trained best at about "
+        f"{MUON_LR_FACTOR}x Adam's rate (here {start_lr * MUON_LR_FACTOR:g})"
+    )
+    assert (expected in out) == hint, out
+    assert out.count("hint:") == hint
+
+
+def test_the_hints_factor_is_the_readmes():
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    assert f"Use a `start_lr` about **{MUON_LR_FACTOR} \N{MULTIPLICATION SIGN} the one you use with Adam**" in readme
 
 
 def test_triton_decision_follows_the_engine_condition(monkeypatch):
@@ -200,14 +285,30 @@ def test_bad_files_get_a_message_naming_the_file_once(tmp_path, capsys, text, na
 
 def test_legacy_optimizer_key_overriding_the_optimizer_section_is_reported(tmp_path, capsys):
     config = _example(legacy=True)
-    config["optimizer"] = {"type": "Adam"}
+    config["optimizer"] = {"type": "HybridMuon", "momentum": 0.9}
     assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
     captured = capsys.readouterr()
     assert (
-        "warning: training.opt_type='HybridMuon' and optimizer.type='Adam' are both set: deepmd-kit's conversion "
-        "of the legacy layout lets training.opt_type win, so dp train uses 'HybridMuon'"
+        "warning: training.momentum=0.95 and optimizer.momentum=0.9 are both set: deepmd-kit's conversion "
+        "of the legacy layout lets training.momentum win, so dp train uses 0.95"
     ) in captured.err
-    assert "optimizer: HybridMuon" in captured.out  # what deepmd will really do
+    assert "momentum         0.95" in captured.out  # what deepmd will really do
+
+
+def test_legacy_opt_type_contradicting_the_optimizer_section_is_an_error(tmp_path, capsys):
+    config = _example(legacy=True)
+    config["optimizer"] = {"type": "Adam"}
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"error: {tmp_path / 'input.json'}: training.opt_type='HybridMuon' contradicts optimizer.type='Adam': "
+        "deepmd-kit's conversion of the legacy layout lets training.opt_type win, so dp train would use the "
+        "'HybridMuon' optimizer, not 'Adam'. Fix: remove training.opt_type to train with 'Adam' (or set "
+        "optimizer.type to 'HybridMuon' and remove training.opt_type)\n"
+    )
+    config["optimizer"]["type"] = "HybridMuon"  # the same optimizer twice: valid
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
 
 
 # ------------------------------------------------------------------ the real `dp`
@@ -264,7 +365,7 @@ def test_dp_check_invalid_input_exits_1_and_usage_error_exits_2(tmp_path):
     usage = _run([DP, "check"])
     assert usage.returncode == 2 and "dp check: error: the following arguments are required: input" in usage.stderr
     helped = _run([DP, "check", "-h"])
-    assert helped.returncode == 0 and "usage: dp check [-h] [--table] [--no-routing] input" in helped.stdout
+    assert helped.returncode == 0 and "usage: dp check [-h] [--table] [--no-routing] [-v] input" in helped.stdout
 
 
 def _without_check(help_text: str) -> str:
@@ -372,3 +473,177 @@ def test_add_dp_check_is_idempotent_and_leaves_other_module_classes_alone(caplog
         add_dp_check(custom)
     assert type(custom) is Custom and custom.main is print
     assert "dp check not added: custom is a Custom, not a plain module" in caplog.text
+
+
+# ------------------------------------------------------------------ hostile inputs
+
+
+def _multi_task(config: dict | None = None) -> dict:
+    """The example as a two-branch multi-task input: type_map and descriptor in shared_dict, one fitting each."""
+    config = config or _example()
+    model = config.pop("model")
+    branch = {"type_map": "type_map_all", "descriptor": "shared_descriptor", "fitting_net": model["fitting_net"]}
+    config["model"] = {
+        "shared_dict": {"type_map_all": model["type_map"], "shared_descriptor": model["descriptor"]},
+        "model_dict": {"one": copy.deepcopy(branch), "two": copy.deepcopy(branch)},
+    }
+    config["loss_dict"] = {"one": config["loss"], "two": config.pop("loss")}
+    training = config["training"]
+    data = {"training_data": training.pop("training_data"), "validation_data": training.pop("validation_data")}
+    training["model_prob"] = {"one": 1.0, "two": 1.0}
+    training["data_dict"] = {"one": data, "two": copy.deepcopy(data)}
+    return config
+
+
+def _nested(levels: int) -> str:
+    return '{"model": {"type_map": ' + "[" * levels + "]" * levels + '}, "training": {}}'
+
+
+def _alias_bomb() -> str:
+    """YAML whose aliases expand the optimizer's unknown key to 10**9 strings (a few hundred bytes on disk)."""
+    levels = ['&a0 ["d","d","d","d","d","d","d","d","d","d"]']
+    levels += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    config = _example()
+    del config["_comment"]
+    config["optimizer"]["zzz"] = "BOMB"
+    return "_comment: [" + ", ".join(levels) + "]\n" + yaml.safe_dump(config).replace("zzz: BOMB", "zzz: *a8")
+
+
+def _hostile(kind: str, tmp_path: Path) -> Path:
+    """Write one hostile input; returns its path."""
+    path = tmp_path / "input.json"
+    config = _example()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev_zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "too_large":
+        with open(path, "wb") as f:  # sparse: no disk used
+            f.truncate(MAX_INPUT_BYTES + 1)
+    elif kind == "deep_10000":
+        path.write_text(_nested(10_000))
+    elif kind == "deep_100":
+        path.write_text(_nested(100))
+    elif kind == "alias_bomb":
+        path = tmp_path / "input.yaml"
+        path.write_text(_alias_bomb())
+    elif kind == "long_unknown_value":
+        config["optimizer"]["zzz"] = "y" * 1_000_000
+        path.write_text(json.dumps(config))
+    elif kind == "long_unknown_key":
+        config["optimizer"]["k" * 100_000] = 1
+        path.write_text(json.dumps(config))
+    elif kind == "multi_task":
+        path.write_text(json.dumps(_multi_task()))
+    elif kind == "multi_task_unknown_shared_item":
+        config = _multi_task()
+        config["model"]["model_dict"]["two"]["descriptor"] = "no_such_item"
+        path.write_text(json.dumps(config))
+    elif kind == "multi_task_model_dict_not_object":
+        config = _multi_task()
+        config["model"]["model_dict"] = ["one", "two"]
+        path.write_text(json.dumps(config))
+    elif kind == "multi_task_zero_stage":
+        config = _multi_task()
+        config["training"]["zero_stage"] = 1
+        path.write_text(json.dumps(config))
+    elif kind == "warmup_beyond_numb_steps":
+        config["learning_rate"]["warmup_steps"] = config["training"]["numb_steps"]
+        path.write_text(json.dumps(config))
+    elif kind in ("opt_type", "opt_type_and_bad_muon_mode"):
+        config["training"]["opt_type"] = "Adam"
+        if kind == "opt_type_and_bad_muon_mode":
+            config["optimizer"]["muon_mode"] = "3d"
+        path.write_text(json.dumps(config))
+    else:
+        raise AssertionError(kind)
+    return path
+
+
+#: (kind, exit status, what the output holds). Each row failed on the code before its fix: the FIFO hung, /dev/zero
+#: and the alias bomb ran out of memory, the 10,000 levels raised RecursionError (a traceback), the long value was
+#: echoed whole, the multi-task input was refused (type_map 'type_map_all' not a list), the opt_type contradiction
+#: was a warning with exit 0 and, with another error, was left out, a warm-up longer than the run passed.
+HOSTILE = [
+    ("fifo", 1, "is a named pipe (FIFO), not a regular file"),
+    ("dev_zero", 1, "is a character device, not a regular file"),
+    ("too_large", 1, f"is {MAX_INPUT_BYTES + 1:,} bytes, more than the {MAX_INPUT_BYTES:,} bytes dp check reads"),
+    ("deep_10000", 1, f"nests objects and lists too deeply to be parsed (dp check takes up to {MAX_DEPTH} levels)"),
+    ("deep_100", 1, f"nests objects and lists more than {MAX_DEPTH} levels deep"),
+    ("alias_bomb", 1, f"holds more than {MAX_VALUES:,} values (a value repeated through YAML aliases counts once"),
+    ("long_unknown_value", 1, f"undefined key `zzz` is not allowed in strict mode.  (got '{'y' * ECHO_CHARS}'..."),
+    ("long_unknown_key", 1, f"undefined key `{'k' * ECHO_CHARS}...` is not allowed in strict mode."),
+    ("multi_task", 0, "routing (muon_mode='slice') of each branch (model_dict key):\n  one: "),
+    (
+        "multi_task_unknown_shared_item",
+        1,
+        "[at location `model`] deepmd-kit cannot apply `shared_dict` to `model_dict`",
+    ),
+    ("multi_task_model_dict_not_object", 1, "`model_dict` must be an object of branches (objects), got list ['one'"),
+    ("multi_task_zero_stage", 1, "key `zero_stage` is 1 in a multi-task input; deepmd-kit shards only single-task"),
+    (
+        "warmup_beyond_numb_steps",
+        1,
+        "[at location `learning_rate`] deepmd-kit rejects the schedule with training.numb_steps 2000: warmup_steps "
+        "must be smaller than num_steps",
+    ),
+    ("opt_type", 1, "training.opt_type='Adam' contradicts optimizer.type='HybridMuon': deepmd-kit's conversion"),
+    (
+        "opt_type_and_bad_muon_mode",
+        1,
+        "so dp train would use the 'Adam' optimizer, not 'HybridMuon'. Fix: remove training.opt_type to train with "
+        "'HybridMuon' (or set optimizer.type to 'Adam' and remove training.opt_type)\n  besides, deepmd-kit's checks "
+        "of the input with training.opt_type applied (as dp train applies it) fail: [at location `optimizer`] "
+        "undefined key `momentum`",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "status", "expected"), HOSTILE, ids=[row[0] for row in HOSTILE])
+def test_hostile_inputs(tmp_path, capsys, kind, status, expected):
+    path = _hostile(kind, tmp_path)
+    assert main(["check", str(path)]) == status
+    captured = capsys.readouterr()
+    if status:
+        assert captured.err.startswith(f"error: {path}: "), captured.err[:500]
+        assert expected in captured.err, captured.err[:500]
+        assert len(captured.err) < 1000  # values cut to a short prefix; no traceback
+    else:
+        assert expected in captured.out, captured.out
+
+
+@pytest.mark.slow
+def test_multi_task_routing_is_what_dp_train_steps(tmp_path, capsys):
+    """A multi-task input with shared_dict: dp check passes, shows each branch, and its count of the parameters dp
+    train steps (shared ones once) is the one dp train's optimizer logs."""
+    from conftest import make_example_data, run_dp
+
+    data = make_example_data(tmp_path, ntrain=4, nvalid=2)
+    config = _multi_task()
+    for branch in ("one", "two"):
+        systems = config["training"]["data_dict"][branch]
+        systems["training_data"]["systems"] = [str(data / "train")]
+        systems["validation_data"]["systems"] = [str(data / "valid")]
+    config["training"].update(numb_steps=2, disp_freq=1, save_freq=2)
+    path = _write(tmp_path, config)
+    assert main(["check", path]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert any(line.startswith("  one: ") for line in lines) and any(line.startswith("  two: ") for line in lines)
+    block = lines[next(i for i, line in enumerate(lines) if line.startswith("  dp train steps ")) :][1:4]
+    ours = {line.split()[0]: (int(line.split()[1]), line.split()[3]) for line in block}
+    log = run_dp(["--pt", "train", "input.json"], tmp_path)
+    logged = log[log.index("routing: muon ") :].splitlines()[0]
+    for route, (count, elements) in ours.items():
+        assert f"{route} {count} tensors / {elements} elements" in logged, (out, logged)
+
+
+def test_multi_task_table_marks_the_shared_descriptor(tmp_path, capsys):
+    assert main(["check", "--table", _write(tmp_path, _multi_task())]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.startswith("  one.") or line.startswith("  two.")]
+    shared = [row[0] for row in rows if "(shared with one: stepped there)" in " ".join(row)]
+    assert shared and all(name.startswith("two.atomic_model.descriptor.") for name in shared)
+    assert not any(name.startswith("two.atomic_model.fitting_net.") for name in shared)  # not in shared_dict
+    two = next(line for line in lines if line.startswith("  two: "))
+    assert two.endswith(f"({len(shared)} shared with one through shared_dict)")

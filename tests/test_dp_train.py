@@ -101,6 +101,11 @@ def test_disable_switch_trains_with_the_builtin(workdir):
     (run_dir / "input.json").write_text(json.dumps(_input(workdir, 10, enable_gram=False)))
     log = _dp(["--pt", "train", "input.json"], run_dir, env={"DEEPMD_HYBRIDMUON_DISABLE": "1"})
     assert LOG_LINE not in log
+    notice = (
+        "deepmd-hybridmuon is off (DEEPMD_HYBRIDMUON_DISABLE=1 in the environment): deepmd-kit's built-in "
+        "HybridMuon optimizer runs"
+    )
+    assert log.count(notice) == 1, log[-3000:]
     ckpt = torch.load(run_dir / "model.ckpt-10.pt", map_location="cpu", weights_only=False)
     assert "hybridmuon" not in ckpt["optimizer"]
 
