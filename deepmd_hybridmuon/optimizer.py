@@ -379,18 +379,24 @@ class HybridMuonOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore :meth:`__getstate__`'s output (or torch's own, with the constructor's defaults) and empty caches.
 
-        torch adds ``differentiable`` to the defaults here; it is no HybridMuon key.
+        torch's ``load_state_dict`` calls this too, with ``state`` and ``param_groups`` only: the
+        settings and names this optimizer already has are kept then. torch adds
+        ``differentiable`` to the defaults here; it is no HybridMuon key.
         """
         state = dict(state)
         names = state.pop("param_names", None)
-        settings = {key: state.pop(key, default) for key, default in _PICKLED.items()}
+        settings = {key: state.pop(key) for key in _PICKLED if key in state}
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)
-        self.__dict__.update(settings)
-        self._ddp_ran = {}
-        self._engines = {}
-        params = [p for group in self.param_groups for p in group["params"]]
-        self._param_names = {id(p): name for p, name in zip(params, names or [], strict=False) if name is not None}
+        for key, default in _PICKLED.items():
+            setattr(self, key, settings.get(key, getattr(self, key, default)))
+        self._ddp_ran = getattr(self, "_ddp_ran", {})
+        self._engines = {}  # rebuilt at the next step
+        if names is not None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            self._param_names = {id(p): name for p, name in zip(params, names, strict=True) if name is not None}
+        elif not hasattr(self, "_param_names"):
+            self._param_names = {}
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"hybridmuon": {"version": ...}`` naming the writer.
