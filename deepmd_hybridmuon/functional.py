@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "ADAM_EPS",
+    "ADAM_GRAD_LIMIT",
     "GRAM_RESTART_ITERATIONS",
     "MAGMA_EMA_DECAY",
     "MAGMA_INITIAL_SCORE",
@@ -46,12 +47,14 @@ __all__ = [
     "leaf_name",
     "magma_raw_score",
     "magma_score",
+    "magma_sums",
     "matrix_view",
     "muon_scale",
     "name_route",
     "nesterov_momentum_",
     "newton_schulz",
     "orthogonalize",
+    "pow2_downscale",
     "route_parameter",
     "sanitize",
     "standard_schedule",
@@ -110,6 +113,14 @@ GRAM_RESTART_ITERATIONS: frozenset[int] = frozenset({2})
 #: Adam denominator epsilon of DeepSeek-V4 (§2.4): tiny, so that the second moment
 #: and not the floor sets the step, even for parameters with very small gradients.
 ADAM_EPS: float = 1e-20
+#: Largest gradient magnitude (exclusive) an Adam-routed parameter can take a step with: the
+#: second moment is float32 (the built-in layout) and holds ~g^2 divided by the bias correction,
+#: so |g| must stay below sqrt(float32 max) = 2^64; 2^63 leaves a factor 4 for the correction's
+#: rounding. Nothing can make Adam's step scale-invariant above it, so a step with a larger Adam
+#: gradient is skipped like a non-finite one (:func:`finite_gate`).
+ADAM_GRAD_LIMIT: float = 2.0**63
+#: ``g * this`` overflows float32 exactly when ``|g| >= ADAM_GRAD_LIMIT`` (2^63 * 2^65 = 2^128).
+_ADAM_LIMIT_PROBE: float = 2.0**65
 
 #: Magma (arXiv:2602.15322) temperature of the sigmoid applied to cos(m, g).
 MAGMA_TAU: float = 2.0
@@ -326,14 +337,30 @@ def _gram_schedule(coeffs: tuple[tuple[float, float, float], ...], restarts: fro
     return GramSchedule(coeffs, tuple(k in restarts for k in range(steps)))
 
 
+def pow2_downscale(amax: torch.Tensor) -> torch.Tensor:
+    """The power of two ``2^-e`` that brings ``amax`` below 2: ``e = max(0, floor(log2(amax)))``.
+
+    ``amax`` holds the largest magnitudes of blocks of a tensor (in its dtype). Multiplying a
+    block by the result is exact (a power of two), keeps its largest element in [1, 2), so that
+    sums of squares of the block cannot overflow, and is the identity (1) for blocks already
+    below 2, and for zero or non-finite ``amax``. Same dtype and shape as ``amax``.
+    """
+    mantissa, _ = torch.frexp(amax)  # amax = mantissa * 2^k, mantissa in [0.5, 1)
+    # amax / (2 mantissa) = 2^(k-1) exactly (a correctly rounded division with a representable result)
+    big = (amax >= 2) & (amax <= torch.finfo(amax.dtype).max)
+    return torch.where(big, amax / (2 * mantissa), 1).reciprocal()
+
+
 def newton_schulz(G: torch.Tensor, schedule: tuple[tuple[float, float, float], ...] | None = None) -> torch.Tensor:
     """Approximate polar factor of each matrix of ``G`` (shape ``(batch, m, n)``), in bfloat16.
 
     X0 = G / ||G||_F (per matrix, wide orientation), then X <- a X + (b A + c A^2) X with
     A = X X^T for every row (a, b, c) of ``schedule`` (default :func:`standard_schedule`).
-    Zero rows or columns stay zero, so zero padding commutes with this function.
+    Zero rows or columns stay zero, so zero padding commutes with this function. Each matrix is
+    first divided by a power of two (:func:`pow2_downscale`) so that its norm cannot overflow:
+    exact, and the identity for matrices whose entries are all below 2 in magnitude.
     """
-    X = G.to(torch.bfloat16)
+    X = (G * pow2_downscale(G.abs().amax(dim=(-2, -1), keepdim=True))).to(torch.bfloat16)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
@@ -357,11 +384,13 @@ def gram_newton_schulz(G: torch.Tensor, schedule: GramSchedule | None = None) ->
     """
     sched = gram_schedule() if schedule is None else schedule
     out_dtype = G.dtype
-    X = G.to(torch.float32)
+    down = pow2_downscale(G.abs().amax(dim=(-2, -1), keepdim=True))  # see newton_schulz
+    X = (G * down).to(torch.float32)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
-    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)).to(torch.float16)
+    # eps scaled like X: (||X|| + eps) 2^-e, so matrices below 2 keep their bits
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS * down.to(torch.float32))).to(torch.float16)
 
     R = torch.bmm(X, X.mT)
     eye = torch.eye(R.size(-1), dtype=R.dtype, device=R.device).expand_as(R)
@@ -481,28 +510,52 @@ def nesterov_momentum_(
     return torch.lerp(grad, buf, momentum)
 
 
-def magma_score(dot: torch.Tensor, norm_m: torch.Tensor, norm_g: torch.Tensor) -> torch.Tensor:
+def magma_score(
+    dot: torch.Tensor, norm_m: torch.Tensor, norm_g: torch.Tensor, eps: torch.Tensor | float = MAGMA_EPS
+) -> torch.Tensor:
     """Magma-lite's raw alignment score in [0, 1] from per-block sums (float32 tensors).
 
     ``dot`` = sum(m * g), ``norm_m`` = |m| and ``norm_g`` = |g| per block: cos(m, g) (the
-    product of the norms floored at :data:`MAGMA_EPS`, clamped to [-1, 1]) is mapped through
-    sigmoid(cos / :data:`MAGMA_TAU`) and stretched from [:data:`MAGMA_SIGMOID_LOW`,
-    :data:`MAGMA_SIGMOID_HIGH`] to [0, 1]. Every implementation (:func:`magma_raw_score`, the
-    flat engine, the Triton Magma kernel through these constants) follows this function.
+    product of the norms floored at ``eps``, by default :data:`MAGMA_EPS`, clamped to [-1, 1])
+    is mapped through sigmoid(cos / :data:`MAGMA_TAU`) and stretched from
+    [:data:`MAGMA_SIGMOID_LOW`, :data:`MAGMA_SIGMOID_HIGH`] to [0, 1]. Every implementation
+    (:func:`magma_raw_score`, the flat engine, the Triton Magma kernel through these constants)
+    follows this function.
+
+    The sums may be those of m 2^-a and g 2^-b (:func:`magma_sums`), with ``eps`` =
+    ``MAGMA_EPS 2^-(a+b)`` per block: the cosine is then the same, and no sum overflows. A
+    cosine that still is not a number (sums that overflowed) counts as 0, a neutral alignment.
     """
-    cos = (dot / (norm_m * norm_g).clamp(min=MAGMA_EPS)).clamp(-1.0, 1.0)
+    if isinstance(eps, torch.Tensor):
+        eps = eps.clamp(min=torch.finfo(eps.dtype).tiny)  # an underflowed 2^-(a+b): never 0 / 0
+    cos = torch.nan_to_num(dot / (norm_m * norm_g).clamp(min=eps), nan=0.0).clamp(-1.0, 1.0)
     s = torch.sigmoid(cos / MAGMA_TAU)
     return ((s - MAGMA_SIGMOID_LOW) / (MAGMA_SIGMOID_HIGH - MAGMA_SIGMOID_LOW)).clamp(0.0, 1.0)
+
+
+def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Scale-safe per-row sums for :func:`magma_score`: ``(dot, |m|, |g|, eps)``, float32.
+
+    ``momentum`` and ``grad`` have shape ``(blocks, k)`` (any floating dtype; zero padding
+    changes nothing). Each row of each is multiplied by its :func:`pow2_downscale` in its own
+    dtype first, then converted to float32: the sums cannot overflow whatever the magnitude of
+    the inputs, and the cosine is that of the unscaled rows (bit for bit where no row reaches 2).
+    """
+    down_m = pow2_downscale(momentum.abs().amax(dim=-1, keepdim=True))
+    down_g = pow2_downscale(grad.abs().amax(dim=-1, keepdim=True))
+    m = (momentum * down_m).to(torch.float32)
+    g = (grad * down_g).to(torch.float32)
+    eps = (MAGMA_EPS * down_m.to(torch.float64) * down_g.to(torch.float64)).to(torch.float32).squeeze(-1)
+    return (m * g).sum(dim=-1), m.norm(dim=-1), g.norm(dim=-1), eps
 
 
 def magma_raw_score(momentum: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Stretched-sigmoid alignment of momentum and gradient per block, in [0, 1] (:func:`magma_score`).
 
-    ``momentum`` and ``grad`` have shape ``(blocks, k)``, one block per row. Computed in float32.
+    ``momentum`` and ``grad`` have shape ``(blocks, k)``, one block per row. Computed in float32
+    on rows scaled by powers of two (:func:`magma_sums`), so that no magnitude overflows.
     """
-    m = momentum.to(torch.float32)
-    g = grad.to(torch.float32)
-    return magma_score((m * g).sum(dim=-1), m.norm(dim=-1), g.norm(dim=-1))
+    return magma_score(*magma_sums(momentum, grad))
 
 
 def magma_scale_(score: torch.Tensor, raw: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
@@ -574,15 +627,19 @@ def adam_update_(
 # scores then keep their values. (deepmd-kit's built-in writes NaN into the parameters.)
 
 
-def finite_gate(grads: list[torch.Tensor]) -> torch.Tensor:
-    """0-dim float32 tensor: 1.0 if every element of every gradient is finite, else 0.0.
+def finite_gate(grads: list[torch.Tensor], adam_grads: list[torch.Tensor] = ()) -> torch.Tensor:
+    """0-dim float32 tensor: 1.0 if the step can be taken, else 0.0.
 
-    ``g * 0`` is 0 for every finite element and NaN for an infinite or NaN one, and a sum
-    keeps a NaN: two passes over ``g`` (``isfinite(g).all()`` takes five kernels), and no
-    overflow, since only zeros are added.
+    It can when every element of every gradient is finite and every element of the Adam-routed
+    ``adam_grads`` (which need not be repeated in ``grads``) is below :data:`ADAM_GRAD_LIMIT` in
+    magnitude. ``g * 0`` is 0 for every finite element and NaN for an infinite or NaN one, and a
+    sum keeps a NaN: two passes over ``g`` (``isfinite(g).all()`` takes five kernels), and no
+    overflow, since only zeros are added. An Adam gradient is multiplied by a power of two that
+    overflows float32 exactly from the limit on, first.
     """
-    device = grads[0].device
+    device = (grads or adam_grads)[0].device
     zeros = [(g * 0).sum().to(device=device, dtype=torch.float32) for g in grads]
+    zeros += [(g.to(torch.float32) * _ADAM_LIMIT_PROBE * 0).sum().to(device) for g in adam_grads]
     total = zeros[0] if len(zeros) == 1 else torch.stack(zeros).sum()
     return (total == 0).to(torch.float32)
 

@@ -23,7 +23,7 @@ import torch
 from . import functional as F
 from .dtensor import is_dtensor, local_shard
 
-__all__ = ["advance_adam_state", "advance_powers", "grad_of", "local_state", "step_group"]
+__all__ = ["advance_adam_state", "advance_powers", "follow_shape", "grad_of", "local_state", "step_group"]
 
 #: (parameter, gradient, (batch, rows, cols) view, finite gate on the parameter's device)
 MuonEntry = tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], torch.Tensor]
@@ -42,12 +42,16 @@ def step_group(
     if not active:
         return
     grads = [grad_of(p) for p in active]
-    ok = shared if shared is not None else F.finite_gate(grads)
+    routes = [route_of(p, group) for p in active]
+    if shared is not None:
+        ok = shared
+    else:  # Adam gradients also below ADAM_GRAD_LIMIT (functional.finite_gate)
+        adam = [g for g, r in zip(grads, routes, strict=True) if r.route != "muon"]
+        ok = F.finite_gate([g for g, r in zip(grads, routes, strict=True) if r.route == "muon"], adam)
     gates = {ok.device: ok}  # the one gate, copied to each device the group's parameters live on
-    for p, grad in zip(active, grads, strict=True):
+    for p, grad, route in zip(active, grads, routes, strict=True):
         if grad.device not in gates:
             gates[grad.device] = ok.to(grad.device)
-        route = route_of(p, group)
         if route.route == "muon":
             assert route.view is not None  # route_parameter gives a view for every Muon route
             muon.append((p, grad, route.view, gates[grad.device]))
@@ -82,9 +86,24 @@ def local_state(state: dict, p: torch.Tensor, key: str) -> torch.Tensor:
     return local_shard(value)
 
 
+def follow_shape(entry: dict[str, Any], keys: tuple[str, ...], p: torch.Tensor) -> None:
+    """Give the parameter-shaped state ``keys`` of ``entry`` the shape of ``p`` if it changed in place.
+
+    ``p.data = p.data.view(...)`` keeps the storage and the order of the elements: each element
+    keeps its momentum and moments. (Not for sharded parameters, whose state FSDP2 lays out.)
+    """
+    if is_dtensor(p):
+        return
+    for key in keys:
+        value = entry.get(key)
+        if isinstance(value, torch.Tensor) and value.shape != p.shape and value.numel() == p.numel():
+            entry[key] = value.reshape(p.shape)
+
+
 def advance_adam_state(state: dict, p: torch.Tensor, settings: F.GroupSettings) -> dict[str, Any]:
     """The Adam state of ``p`` (created at the first step: float32 moments) with this step's powers beta^t."""
     entry = state[p]
+    follow_shape(entry, ("exp_avg", "exp_avg_sq"), p)
     if "exp_avg" not in entry:
         entry["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)  # a DTensor for a DTensor p
         entry["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
@@ -123,6 +142,7 @@ def _muon(state: dict, settings: F.GroupSettings, entries: list[MuonEntry]) -> N
     """Muon, one parameter at a time (parameters are independent; one full matrix alive at a time)."""
     for p, grad, (bs, rows, cols), ok in entries:
         entry = state[p]
+        follow_shape(entry, ("momentum_buffer",), p)
         if "momentum_buffer" not in entry:
             entry["momentum_buffer"] = torch.zeros_like(grad)
         buf = entry["momentum_buffer"]

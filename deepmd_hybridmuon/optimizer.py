@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -19,7 +20,8 @@ from torch.optim.optimizer import Optimizer
 from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine
-from .validation import validate_group
+from .state import check_state_dict
+from .validation import check_gradients, check_parameters, validate_group
 
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
 log = logging.getLogger("deepmd.hybridmuon")
@@ -40,6 +42,17 @@ _OPTIMIZER_KEYS: frozenset[str] = frozenset(
 #: * ``"engine-eager"``: the flat engine, every step eager;
 #: * ``"loop"``: the per-parameter loop (:mod:`deepmd_hybridmuon.loop`), the specification.
 IMPLEMENTATIONS: tuple[str, ...] = ("engine", "engine-eager", "loop")
+#: Attributes that pickling keeps besides torch's (see ``HybridMuonOptimizer.__getstate__``), with the
+#: values an object pickled without them (torch's own ``__getstate__``) gets: the constructor's defaults.
+_PICKLED: dict[str, Any] = {
+    "flash_muon": True,
+    "nonfinite_across_ranks": False,
+    "ddp_split": "off",
+    "_implementation": "engine",
+    "_names_version": 0,
+    "_state_version": 0,
+    "_adam_limit_logged": False,
+}
 #: State tensors kept in float32 whatever the parameter dtype (torch's load_state_dict
 #: casts them to the parameter dtype; we cast them back).
 _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
@@ -251,6 +264,7 @@ class HybridMuonOptimizer(Optimizer):
         self._param_names: dict[int, str] = {}
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
+        self._adam_limit_logged = False  # _log_adam_limit's one line was written
         self._engines: dict[int, GroupEngine] = {}
         self._steps_taken = 0  # by this object (the log says from which step the Triton kernels run)
         super().__init__(params, defaults)
@@ -277,6 +291,7 @@ class HybridMuonOptimizer(Optimizer):
         super().add_param_group(param_group)
         try:
             validate_group(self.param_groups[-1])
+            check_parameters(self.param_groups[-1]["params"], len(self.param_groups) - 1)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -293,6 +308,11 @@ class HybridMuonOptimizer(Optimizer):
     def param_name(self, p: torch.Tensor) -> str | None:
         """The name given to ``p`` by :meth:`set_param_names`, or ``None``."""
         return self._param_names.get(id(p))
+
+    def _describe(self, p: torch.Tensor) -> str:
+        """A parameter for messages: its name, or its shape."""
+        name = self.param_name(p)
+        return repr(name) if name is not None else f"unnamed, shape {tuple(p.shape)}"
 
     def route_of(self, p: torch.Tensor, group: dict[str, Any]) -> F.ParamRoute:
         """Route of parameter ``p`` in ``group`` (recomputed on demand; it is cheap)."""
@@ -344,10 +364,40 @@ class HybridMuonOptimizer(Optimizer):
 
     # -------------------------------------------------------------- checkpoint
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle``, ``copy.deepcopy`` and ``torch.save`` keep: torch's part, the settings and the names.
+
+        torch's part is ``defaults``, ``state`` and ``param_groups`` (its hooks are dropped, as
+        torch does). The caches of the step (the flat engines, the DDP split) are left out and
+        rebuilt at the next step; the names given by :meth:`set_param_names` are kept by
+        parameter position, since a copy has other parameter objects.
+        """
+        out = super().__getstate__()
+        out.update({key: getattr(self, key) for key in _PICKLED})
+        out["param_names"] = [self.param_name(p) for group in self.param_groups for p in group["params"]]
+        return out
+
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """torch adds ``differentiable`` to the defaults here; it is no HybridMuon key."""
+        """Restore :meth:`__getstate__`'s output (or torch's own, with the constructor's defaults) and empty caches.
+
+        torch's ``load_state_dict`` calls this too, with ``state`` and ``param_groups`` only: the
+        settings and names this optimizer already has are kept then. torch adds
+        ``differentiable`` to the defaults here; it is no HybridMuon key.
+        """
+        state = dict(state)
+        names = state.pop("param_names", None)
+        settings = {key: state.pop(key) for key in _PICKLED if key in state}
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)
+        for key, default in _PICKLED.items():
+            setattr(self, key, settings.get(key, getattr(self, key, default)))
+        self._ddp_ran = getattr(self, "_ddp_ran", {})
+        self._engines = {}  # rebuilt at the next step
+        if names is not None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            self._param_names = {id(p): name for p, name in zip(params, names, strict=True) if name is not None}
+        elif not hasattr(self, "_param_names"):
+            self._param_names = {}
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"hybridmuon": {"version": ...}`` naming the writer.
@@ -373,7 +423,12 @@ class HybridMuonOptimizer(Optimizer):
 
         torch casts floating state to each parameter's dtype; the Adam moments and
         Magma scores are cast back to float32 here, so float64 models resume.
+
+        Everything is checked first (:func:`deepmd_hybridmuon.state.check_state_dict`): a state
+        dict of another optimizer, group values the constructor would refuse, or state of the
+        wrong keys, shape or dtype raise a ``ValueError`` and leave this optimizer as it was.
         """
+        check_state_dict(state_dict, self.param_groups, self._describe)
         super().load_state_dict(state_dict)
         self._state_version += 1
         for state in self.state.values():
@@ -392,6 +447,9 @@ class HybridMuonOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with _outside_device_context():
+            check_gradients(self.param_groups)  # before any parameter changes
+            if not self._adam_limit_logged:
+                self._log_adam_limit()
             self._step_all()
         self._steps_taken = getattr(self, "_steps_taken", 0) + 1
         return loss
@@ -416,6 +474,31 @@ class HybridMuonOptimizer(Optimizer):
             else:
                 engine.step(group, shared)
 
+    def _log_adam_limit(self) -> None:
+        """One log line, the first time a step is skipped for an Adam gradient above ``ADAM_GRAD_LIMIT``.
+
+        Read on the host for CPU gradients only: on a GPU reading them would make the host wait
+        for the device every step, so there the step is skipped silently, as for a NaN.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None or grad.device.type != "cpu" or distributed.is_dtensor(grad) or not grad.numel():
+                    continue
+                if self.route_of(p, group).route == "muon":
+                    continue
+                peak = float(grad.abs().max())
+                if peak >= F.ADAM_GRAD_LIMIT and math.isfinite(peak):
+                    log.warning(
+                        "step skipped: the Adam-routed parameter %s has a gradient of magnitude %.3g, at or above "
+                        "%.3g, whose square float32 moments cannot hold (logged once)",
+                        self._describe(p),
+                        peak,
+                        F.ADAM_GRAD_LIMIT,
+                    )
+                    self._adam_limit_logged = True
+                    return
+
     def _gate_all_ranks(self) -> torch.Tensor:
         """The finite gate of this rank's gradients, all-reduced (minimum) over the default group.
 
@@ -424,9 +507,13 @@ class HybridMuonOptimizer(Optimizer):
         """
         import torch.distributed as dist
 
-        grads = [distributed.local_shard(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if grads:
-            ok = F.finite_gate(grads)
+        grads: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # by "Adam-routed"
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    grads[self.route_of(p, g).route != "muon"].append(distributed.local_shard(p.grad))
+        if grads[True] or grads[False]:
+            ok = F.finite_gate(grads[False], grads[True])
         else:
             params = [p for g in self.param_groups for p in g["params"]]
             nccl = dist.is_initialized() and dist.get_backend() == "nccl"

@@ -14,7 +14,7 @@ import torch
 
 from .functional import MUON_MODES
 
-__all__ = ["GROUP_KEYS", "check_number", "validate_group"]
+__all__ = ["GROUP_KEYS", "check_gradients", "check_number", "check_parameters", "validate_group"]
 
 #: Keys of a param_group: exactly those of deepmd-kit 3.2.0, so checkpoints move both ways.
 GROUP_KEYS: tuple[str, ...] = (
@@ -74,3 +74,34 @@ def validate_group(group: dict[str, Any]) -> None:
     for key in ("enable_gram", "magma_muon"):
         if not isinstance(group[key], bool):
             raise ValueError(f"Invalid {key}: {group[key]!r}; expected true or false")
+
+
+def check_parameters(params: Sequence[torch.Tensor], group_index: int) -> None:
+    """Raise ``ValueError`` unless every parameter of param_group ``group_index`` is real floating point.
+
+    Complex parameters would lose their imaginary part in the Adam moments (float32) and Newton–Schulz
+    (real matrices); integer ones cannot take a gradient step.
+    """
+    for i, p in enumerate(params):
+        if not p.is_floating_point():
+            raise ValueError(
+                f"Invalid parameter {i} of param_group {group_index}: dtype {p.dtype}; "
+                "expected a real floating-point parameter (float16, bfloat16, float32 or float64)"
+            )
+
+
+def check_gradients(groups: Sequence[dict[str, Any]]) -> None:
+    """Raise ``ValueError`` if a gradient is not a dense (strided) tensor, before a step changes anything.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) have no matrix form for Newton–Schulz and no
+    dense moments for Adam.
+    """
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group["params"]):
+            grad = p.grad
+            if grad is not None and grad.layout != torch.strided:
+                raise ValueError(
+                    f"Invalid gradient of parameter {i} of param_group {g}: layout {grad.layout}; "
+                    "expected a dense (torch.strided) gradient (HybridMuon has no sparse update; "
+                    "e.g. use nn.Embedding(sparse=False))"
+                )

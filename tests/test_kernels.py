@@ -257,16 +257,23 @@ def _run_phased(K, device, mats, use_gram):
     return [out.view_as(m) for m, out in zip(mats, dst.split([m.numel() for m in mats]), strict=True)]
 
 
-def test_magma_kernel_matches_the_reference(kernels):
+@pytest.mark.parametrize("scale", [None, 1e30, 3.4e38])  # largest |m|, |g|: huge but finite, the sums must not overflow
+def test_magma_kernel_matches_the_reference(kernels, scale):
     K, device = kernels
     gen = torch.Generator().manual_seed(1)
     lengths = [6, 1, 2000, 9000, 37]  # 9000 spans three partial sums
-    mom = torch.randn(sum(lengths), generator=gen).to(device)
-    grad = (0.3 * mom.cpu() + torch.randn(sum(lengths), generator=gen)).to(device)
+    mom = torch.randn(sum(lengths), generator=gen)
+    grad = 0.3 * mom + torch.randn(sum(lengths), generator=gen)
     grad[6] = 0.0  # a block with a zero gradient: cos is 0 (the EPS floor), not NaN
+    # one chunk of the long block at another scale than the rest: the chunks' sums are aligned
+    mom[2009 + 4096 : 2009 + 8192] *= 1e-3
+    if scale is not None:
+        mom, grad = (x.double() / x.abs().max() * scale for x in (mom, grad))
+    mom, grad = mom.float().to(device), grad.float().to(device)
+    assert torch.isfinite(mom).all() and torch.isfinite(grad).all()
     bounds, first = (torch.tensor(x, device=device) for x in K.magma_chunks(lengths))
     assert first.tolist() == [0, 1, 2, 3, 6, 7]
-    partial = torch.empty(3 * (bounds.numel() - 1), device=device)
+    partial = torch.empty(K.MAGMA_PARTIALS * (bounds.numel() - 1), device=device)
     base = torch.arange(1.0, len(lengths) + 1.0, device=device)
     neg_lr = torch.tensor(-0.5, device=device)
     for ok in (1.0, 0.0):

@@ -23,6 +23,7 @@ LAYERS = [
     "kernels",
     "engine",
     "distributed",
+    "state",
     "optimizer",
     "schema",
     "plugin",

@@ -127,8 +127,9 @@ def _local_inputs(
         b.grad = _flat([local_shard(grads[id(p)]) for p in b.params])
     muon = [group["params"][layout.index] for layout in plan.muon]
     muon_grad = _flat([local_shard(grads[id(p)]) for p in muon]) if muon else None
-    flats = [b.grad for b in buckets if b.grad is not None] + ([muon_grad] if muon_grad is not None else [])
-    ok = F.finite_gate(flats).to(device) if flats else torch.ones((), dtype=torch.float32, device=device)
+    adam = [b.grad for b in buckets if b.grad is not None]  # also below ADAM_GRAD_LIMIT (functional.finite_gate)
+    flats = [muon_grad] if muon_grad is not None else []
+    ok = F.finite_gate(flats, adam).to(device) if flats or adam else torch.ones((), dtype=torch.float32, device=device)
     return _Inputs(settings, buckets, muon, muon_grad, ok)
 
 
@@ -220,13 +221,20 @@ def _local_muon(
                 (bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=flat_p.device
             )
         scores.append(score)
-    m32, g32 = flat_buf.to(torch.float32), g.to(torch.float32)
-    products = torch.stack([m32 * g32, m32 * m32, g32 * g32], dim=1)  # (local elements, 3)
+    # The shards' partial sums are added across ranks, so they cannot be scaled per matrix
+    # (functional.magma_sums) without a scale agreed first. Instead they are float64 for inputs
+    # of at most 32 bits: no product of two finite float32 numbers, nor a sum of 2^700 of them,
+    # overflows float64, and float32's smallest numbers square to normal float64 ones.
+    # (float64 inputs above ~1e150 still overflow: functional.magma_score counts that as 0.)
+    wide = torch.float64
+    m64, g64 = flat_buf.to(wide), g.to(wide)
+    products = torch.stack([m64 * g64, m64 * m64, g64 * g64], dim=1)  # (local elements, 3)
     sums = segments.sums(products)
     if reduce is not None:
         reduce(sums)
     flat_score = _flat(scores)
-    damp = F.magma_scale_(flat_score, F.magma_score(sums[:, 0], sums[:, 1].sqrt(), sums[:, 2].sqrt()), ok)
+    raw = F.magma_score(sums[:, 0], sums[:, 1].sqrt(), sums[:, 2].sqrt()).to(torch.float32)
+    damp = F.magma_scale_(flat_score, raw, ok)
     _write_back(scores, flat_score)
     return locals_, flat_p, update, damp
 

@@ -115,8 +115,10 @@ class BatchedStep:
         if L.triton:  # the copy in also flags non-finite spans
             self.K.gather(self.inputs.addresses, L.spans, L.grad, L.span_finite)
             ok = self.inputs.ok if self.shared_gate else L.span_finite.amin()
+            if L.adam and not self.shared_gate:  # the Adam gradients' limit (functional.finite_gate)
+                ok = torch.minimum(ok, F.finite_gate([], [L.adam_grad]))
         else:
-            ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.grad])
+            ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
         scalars = self.inputs.scalars
         muon_decay, neg_lr, adamw_decay, one_minus_beta = scalars[:PARAM_DTYPE_SCALARS].to(L.dtype).unbind(0)
         compute = torch.promote_types(L.dtype, torch.float32)
@@ -217,18 +219,18 @@ class BatchedStep:
                 ok,
             )
         elif L.magma:
-            # Per-block sums of m*g, m*m, g*g: scattered into the zero-padded layout of the
+            # Per-block sums (functional.magma_sums: each block scaled by a power of two, so
+            # nothing overflows): m and g scattered into the zero-padded layout of the
             # Newton-Schulz stacks (one row per block) and summed per row: deterministic, and
             # each block is summed on its own, whatever the scale of the other blocks.
-            m, g = L.momentum.to(torch.float32), grads.to(torch.float32)
-            products = torch.stack([m * g, m * m, g * g])
-            sums = torch.empty(3, L.block_scale.numel(), dtype=torch.float32, device=L.device)
+            both = torch.stack([L.momentum, grads])
+            sums = torch.empty(4, L.block_scale.numel(), dtype=torch.float32, device=L.device)
             for b in L.buckets:
-                padded = torch.zeros(3, b.stack.numel(), dtype=torch.float32, device=L.device)
-                padded.index_copy_(1, b.dst, products.index_select(1, b.src))
-                sums.index_copy_(1, b.block_ids, padded.view(3, b.batch, -1).sum(-1))
-            dot, mm, gg = sums
-            raw = F.magma_score(dot, mm.sqrt(), gg.sqrt())
+                padded = torch.zeros(2, b.stack.numel(), dtype=L.dtype, device=L.device)
+                padded.index_copy_(1, b.dst, both.index_select(1, b.src))
+                rows = padded.view(2, b.batch, -1)
+                sums.index_copy_(1, b.block_ids, torch.stack(F.magma_sums(rows[0], rows[1])))
+            raw = F.magma_score(*sums)
             torch.mul(L.block_scale * F.magma_scale_(L.scores, raw, ok), neg_lr.float(), out=factor)
         else:
             torch.mul(L.block_scale, neg_lr.float(), out=factor)

@@ -94,10 +94,11 @@ class GroupEngine:
         return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
 
     def matches(self, group: dict[str, Any]) -> bool:
-        """The same parameters as at build, in the same storage, with gradients on exactly the same ones.
+        """The same parameters as at build, in the same storage and shape, with gradients on exactly the same ones.
 
         A parameter's storage changes with ``p.data = ...`` (e.g. ``module.half()`` after the
-        optimizer was built); the engine would otherwise go on writing to the old memory.
+        optimizer was built); the engine would otherwise go on writing to the old memory. Its
+        shape alone changes with ``p.data = p.data.view(...)``: the routes and views change.
         """
         params = group["params"]
         if len(params) != len(self.group_params) or any(
@@ -106,7 +107,8 @@ class GroupEngine:
             return False
         L = self.layout
         return all(
-            p.grad is not None and p.data_ptr() == ptr for p, ptr in zip(L.staged, L.storage, strict=True)
+            p.grad is not None and p.data_ptr() == ptr and p.shape == shape
+            for p, ptr, shape in zip(L.staged, L.storage, L.shapes, strict=True)
         ) and all(p.grad is None for p in self.gradless)
 
     @property

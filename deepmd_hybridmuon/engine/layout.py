@@ -245,6 +245,7 @@ class Layout:
         self.staged = self.adam + [p for p, _ in self.muon]
         # where the parameters live: the Triton update and a captured graph write through these addresses
         self.storage = [p.data_ptr() for p in self.staged]
+        self.shapes = [p.shape for p in self.staged]  # a new shape in the same storage rebuilds too
         self.numels = [p.numel() for p in self.staged]
         self.grad = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
         self.delta = torch.zeros_like(self.grad)
@@ -264,8 +265,9 @@ class Layout:
         """Copy existing state ``key`` of ``params`` into ``flat`` and make the state entries views of it."""
         for p, view in zip(params, split_views(flat, params), strict=True):
             old = state[p].get(key)
-            if isinstance(old, torch.Tensor) and old.shape == view.shape:
-                view.copy_(old)
+            # numel: a parameter given a new shape in the same storage keeps its state, element by element
+            if isinstance(old, torch.Tensor) and old.numel() == view.numel():
+                view.copy_(old.reshape(view.shape))
             state[p][key] = view
 
     def _build_adam(self, state: dict) -> None:
@@ -327,7 +329,7 @@ class Layout:
             bounds, first = K.magma_chunks(lengths)
             self.magma_bounds = torch.tensor(bounds, dtype=torch.int64, **kw)
             self.magma_first = torch.tensor(first, dtype=torch.int64, **kw)
-            self.magma_partial = torch.zeros(3 * (len(bounds) - 1), dtype=torch.float32, **kw)
+            self.magma_partial = torch.zeros(K.MAGMA_PARTIALS * (len(bounds) - 1), dtype=torch.float32, **kw)
         for b in buckets:
             self._build_bucket(b)
         self.buckets = buckets

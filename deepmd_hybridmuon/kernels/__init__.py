@@ -54,7 +54,7 @@ from .common import (
     work_dtype,
 )
 from .compile import KernelRegistry, compile_worker, prepare, wait_ready
-from .magma import MAGMA_CHUNK, magma_chunks, magma_factors
+from .magma import MAGMA_CHUNK, MAGMA_PARTIALS, magma_chunks, magma_factors
 from .newton_schulz import orthogonalize_blocks
 from .panel import (
     PANEL,
@@ -89,6 +89,7 @@ __all__ = [
     "CHUNK",
     "DST",
     "MAGMA_CHUNK",
+    "MAGMA_PARTIALS",
     "MAX_PHASED_ROWS",
     "MAX_ROWS",
     "META_COLS",

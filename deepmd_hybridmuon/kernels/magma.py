@@ -1,10 +1,10 @@
 """Magma-lite per block in two launches: :func:`magma_factors`.
 
-One program per chunk sums m*g, m*m and g*g over its range of the flat vectors, then one
-program per block adds its chunks in order (deterministic), updates the block's score and
-writes the block's factor. The score follows ``functional.magma_score`` and
-``functional.magma_scale_``; every constant is the kernel's compile-time copy of the one in
-``functional`` (``_MAGMA_OPTIONS``), none is written here.
+One program per chunk sums m*g, m*m and g*g over its range of the flat vectors (each scaled
+by a power of two, so that nothing overflows), then one program per block adds its chunks in
+order (deterministic), updates the block's score and writes the block's factor. The score
+follows ``functional.magma_score`` and ``functional.magma_scale_``; every constant is the
+kernel's compile-time copy of the one in ``functional`` (``_MAGMA_OPTIONS``), none is written here.
 """
 
 from __future__ import annotations
@@ -19,28 +19,54 @@ from .common import kernel
 
 #: Elements per partial sum of the Magma kernel (a block spans one or more of them).
 MAGMA_CHUNK: int = 4096
+#: Numbers per chunk in the Magma workspace: the scaled sums of m*g, m*m, g*g and the two exponents.
+MAGMA_PARTIALS: int = 5
+
+
+@triton.jit
+def _downscale_exponent(amax):
+    """e = max(0, floor(log2(amax))) in float64 (0 for amax 0): amax 2^-e lies below 2 (functional.pow2_downscale)."""
+    return tl.floor(tl.log2(tl.maximum(amax.to(tl.float64), 1.0)))
 
 
 @kernel
 def _magma_partial_kernel(mom_ptr, grad_ptr, bounds_ptr, partial_ptr, n_chunks, BLOCK: tl.constexpr):
-    """Sums of m*g, m*m and g*g over one chunk (``bounds[i]:bounds[i + 1]``)."""
+    """Sums of (m 2^-a)(g 2^-b), (m 2^-a)^2 and (g 2^-b)^2 over one chunk (``bounds[i]:bounds[i + 1]``), and a, b.
+
+    a (b): the exponent that brings the chunk's largest |m| (|g|) below 2, found in a first pass
+    over the chunk in the inputs' dtype; the scaling is exact (float64, a power of two), so no sum
+    overflows whatever the inputs' magnitude (``functional.magma_sums``).
+    """
     i = tl.program_id(0)
     start = tl.load(bounds_ptr + i)
     stop = tl.load(bounds_ptr + i + 1)
+    am = tl.zeros((BLOCK,), dtype=tl.float64)
+    ag = tl.zeros((BLOCK,), dtype=tl.float64)
+    for j in range(start, stop, BLOCK):
+        idx = j + tl.arange(0, BLOCK)
+        mask = idx < stop
+        am = tl.maximum(am, tl.abs(tl.load(mom_ptr + idx, mask=mask, other=0.0).to(tl.float64)))
+        ag = tl.maximum(ag, tl.abs(tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float64)))
+    ea = _downscale_exponent(tl.max(am))
+    eb = _downscale_exponent(tl.max(ag))
+    sa = tl.exp2(-ea)
+    sb = tl.exp2(-eb)
     mg = tl.zeros((BLOCK,), dtype=tl.float32)
     mm = tl.zeros((BLOCK,), dtype=tl.float32)
     gg = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in range(start, stop, BLOCK):
         idx = j + tl.arange(0, BLOCK)
         mask = idx < stop
-        m = tl.load(mom_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        m = (tl.load(mom_ptr + idx, mask=mask, other=0.0).to(tl.float64) * sa).to(tl.float32)
+        g = (tl.load(grad_ptr + idx, mask=mask, other=0.0).to(tl.float64) * sb).to(tl.float32)
         mg += m * g
         mm += m * m
         gg += g * g
     tl.store(partial_ptr + i, tl.sum(mg))
     tl.store(partial_ptr + n_chunks + i, tl.sum(mm))
     tl.store(partial_ptr + 2 * n_chunks + i, tl.sum(gg))
+    tl.store(partial_ptr + 3 * n_chunks + i, ea.to(tl.float32))
+    tl.store(partial_ptr + 4 * n_chunks + i, eb.to(tl.float32))
 
 
 @kernel
@@ -61,21 +87,39 @@ def _magma_finish_kernel(
     MIN_SCALE: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    """Per block: add its chunks' sums in order, update the score, write the factor."""
+    """Per block: add its chunks' sums in order, update the score, write the factor.
+
+    The chunks' sums are brought to the block's largest exponents A, B first (times 2^(a - A) etc.,
+    at most 1), and the floor of the norms' product is EPS 2^-(A+B), as in ``functional.magma_score``.
+    """
     blk = tl.program_id(0)
     first = tl.load(first_ptr + blk)
     last = tl.load(first_ptr + blk + 1)
+    ea_max = tl.zeros((BLOCK,), dtype=tl.float32)
+    eb_max = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(first, last, BLOCK):
+        idx = j + tl.arange(0, BLOCK)
+        mask = idx < last
+        ea_max = tl.maximum(ea_max, tl.load(partial_ptr + 3 * n_chunks + idx, mask=mask, other=0.0))
+        eb_max = tl.maximum(eb_max, tl.load(partial_ptr + 4 * n_chunks + idx, mask=mask, other=0.0))
+    A = tl.max(ea_max)
+    B = tl.max(eb_max)
     mg = tl.zeros((BLOCK,), dtype=tl.float32)
     mm = tl.zeros((BLOCK,), dtype=tl.float32)
     gg = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in range(first, last, BLOCK):
         idx = j + tl.arange(0, BLOCK)
         mask = idx < last
-        mg += tl.load(partial_ptr + idx, mask=mask, other=0.0)
-        mm += tl.load(partial_ptr + n_chunks + idx, mask=mask, other=0.0)
-        gg += tl.load(partial_ptr + 2 * n_chunks + idx, mask=mask, other=0.0)
-    denom = tl.maximum(tl.sqrt(tl.sum(mm)) * tl.sqrt(tl.sum(gg)), EPS)
-    cos = tl.minimum(tl.maximum(tl.sum(mg) / denom, -1.0), 1.0)
+        wa = tl.exp2(tl.load(partial_ptr + 3 * n_chunks + idx, mask=mask, other=0.0) - A)
+        wb = tl.exp2(tl.load(partial_ptr + 4 * n_chunks + idx, mask=mask, other=0.0) - B)
+        mg += tl.load(partial_ptr + idx, mask=mask, other=0.0) * (wa * wb)
+        mm += tl.load(partial_ptr + n_chunks + idx, mask=mask, other=0.0) * (wa * wa)
+        gg += tl.load(partial_ptr + 2 * n_chunks + idx, mask=mask, other=0.0) * (wb * wb)
+    eps = tl.maximum(EPS * tl.exp2(-(A + B)), 1.1754943508222875e-38)  # float32's smallest normal: never 0 / 0
+    denom = tl.maximum(tl.sqrt(tl.sum(mm)) * tl.sqrt(tl.sum(gg)), eps)
+    cos = tl.sum(mg) / denom
+    cos = tl.where(cos == cos, cos, 0.0)  # not a number (overflowed sums): neutral, as functional.magma_score
+    cos = tl.minimum(tl.maximum(cos, -1.0), 1.0)
     raw = 1.0 / (1.0 + tl.exp(-cos / TAU))
     raw = tl.minimum(tl.maximum((raw - LOW) / (HIGH - LOW), 0.0), 1.0)
     ok = tl.load(ok_ptr)
@@ -115,7 +159,7 @@ def magma_factors(
     """Magma-lite for every block in two launches: update ``scores``, write ``base * magma * neg_lr`` to ``out``.
 
     ``bounds`` and ``first`` (int64) are :func:`magma_chunks`; ``partial`` is a float32
-    workspace of ``3 * chunks``; ``base`` holds the Muon scale of each block; ``neg_lr`` and
+    workspace of ``MAGMA_PARTIALS * chunks``; ``base`` holds the Muon scale of each block; ``neg_lr`` and
     ``ok`` are 0-dim device tensors (``ok`` 0 keeps the scores, see
     ``functional.finite_gate``). Each chunk is summed by one program, then each block adds
     its chunks in order: deterministic, and long blocks are spread over many programs.

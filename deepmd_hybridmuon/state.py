@@ -1,0 +1,136 @@
+"""Checks of a state dict before :meth:`HybridMuonOptimizer.load_state_dict` changes anything.
+
+A state dict is accepted when it has deepmd-kit 3.2.0's built-in HybridMuon layout (which this
+package writes too): the same number of param_groups and parameters, every group carrying
+exactly the HybridMuon hyperparameters with values the constructor would accept
+(:func:`~deepmd_hybridmuon.validation.validate_group`), and per parameter only the state keys
+of its rule, each of the parameter's shape, real and finite. Anything else (a
+``torch.optim.AdamW`` or ``torch.optim.Muon`` state dict, AdamW state under HybridMuon groups,
+edited or corrupted values) raises a ``ValueError`` naming the group or parameter and the key,
+so that the optimizer and every implementation of its step (loop, flat engine, FSDP2, DDP)
+only ever see state they can step with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .dtensor import is_dtensor
+from .validation import GROUP_KEYS, validate_group
+
+__all__ = ["ADAM_STATE", "MUON_STATE", "check_state_dict"]
+
+#: State of an Adam-routed parameter: all four keys, or none.
+ADAM_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "beta1_pow", "beta2_pow")
+#: State of a Muon-routed parameter (``magma_score`` only with Magma).
+MUON_STATE: tuple[str, ...] = ("momentum_buffer", "magma_score")
+#: Parameter-shaped tensors among them.
+_PARAM_SHAPED: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
+def check_state_dict(
+    state_dict: Any,
+    groups: Sequence[Mapping[str, Any]],
+    describe: Callable[[torch.Tensor], str],
+) -> None:
+    """Raise ``ValueError`` unless ``state_dict`` can be loaded into an optimizer with ``groups``.
+
+    Parameters
+    ----------
+    state_dict
+        What was handed to ``load_state_dict``.
+    groups
+        The optimizer's current ``param_groups`` (their ``params`` in order: torch numbers the
+        parameters of a state dict across the groups in that order).
+    describe
+        A parameter's description for messages (its name where known).
+
+    Nothing is modified, neither ``state_dict`` nor ``groups``.
+    """
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise ValueError(f"Invalid optimizer state dict: {keys}; expected a mapping with 'state' and 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    if not isinstance(saved_groups, Sequence) or len(saved_groups) != len(groups):
+        count = len(saved_groups) if isinstance(saved_groups, Sequence) else repr(saved_groups)
+        raise ValueError(f"Invalid param_groups in the state dict: {count} groups; this optimizer has {len(groups)}")
+    params: list[torch.Tensor] = []
+    for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        _check_group(index, saved, len(group["params"]))
+        params += list(group["params"])
+    state = state_dict["state"]
+    if not isinstance(state, Mapping):
+        raise ValueError(f"Invalid state in the state dict: {type(state).__name__}; expected a mapping")
+    for key, entry in state.items():
+        if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < len(params):
+            raise ValueError(f"Invalid state key {key!r}; expected a parameter index in [0, {len(params)})")
+        _check_entry(f"parameter {key} ({describe(params[key])})", entry, params[key])
+
+
+def _check_group(index: int, saved: Any, count: int) -> None:
+    where = f"param_groups[{index}]"
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"Invalid {where}: {type(saved).__name__}; expected a mapping")
+    missing = [k for k in GROUP_KEYS if k not in saved]
+    if missing:
+        raise ValueError(
+            f"Invalid {where}: lacks the HybridMuon keys {missing}; not a HybridMuon state dict "
+            f"(expected the keys {list(GROUP_KEYS)})"
+        )
+    if "params" not in saved or len(saved["params"]) != count:
+        got = len(saved["params"]) if "params" in saved else "no"
+        raise ValueError(f"Invalid {where}: {got} parameters; this optimizer's group {index} has {count}")
+    try:
+        validate_group(dict(saved))  # a copy: validate_group normalises muon_mode in place
+    except ValueError as err:
+        raise ValueError(f"{err} (in {where} of the state dict)") from None
+
+
+def _check_entry(where: str, entry: Any, p: torch.Tensor) -> None:
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"Invalid state of {where}: {type(entry).__name__}; expected a mapping")
+    unknown = sorted(str(k) for k in entry if k not in ADAM_STATE + MUON_STATE)
+    if unknown:
+        raise ValueError(
+            f"Invalid state of {where}: unknown keys {unknown}; expected keys of {list(ADAM_STATE)} (Adam) "
+            f"or {list(MUON_STATE)} (Muon)"
+        )
+    adam = [k for k in ADAM_STATE if k in entry]
+    if adam and len(adam) != len(ADAM_STATE):
+        missing = [k for k in ADAM_STATE if k not in entry]
+        raise ValueError(f"Invalid state of {where}: Adam state without {missing}; expected all of {list(ADAM_STATE)}")
+    if adam and any(k in entry for k in MUON_STATE):
+        raise ValueError(f"Invalid state of {where}: both Adam and Muon state; a parameter follows one rule")
+    for key in ("beta1_pow", "beta2_pow"):
+        if key in entry:
+            value = entry[key]
+            number = float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            if not isinstance(number, (int, float)) or isinstance(number, bool) or not 0.0 <= number <= 1.0:
+                raise ValueError(f"Invalid state {key} of {where}: {value!r}; expected a number in [0, 1] (beta^t)")
+    for key in (*_PARAM_SHAPED, "magma_score"):
+        if key not in entry:
+            continue
+        value = entry[key]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"Invalid state {key} of {where}: {kind}; expected a real floating-point tensor")
+        if key in _PARAM_SHAPED and tuple(value.shape) != tuple(p.shape):
+            raise ValueError(
+                f"Invalid state {key} of {where}: shape {tuple(value.shape)}; expected the parameter's {tuple(p.shape)}"
+            )
+        if key == "magma_score" and value.dim() != 1:
+            raise ValueError(
+                f"Invalid state {key} of {where}: shape {tuple(value.shape)}; expected one score per matrix (1-D)"
+            )
+        # A sharded (DTensor) value is checked by its shape only: reading its elements would take collectives.
+        if not is_dtensor(value) and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"Invalid state {key} of {where}: holds NaN or infinity; expected finite values")
+        if key == "magma_score" and not is_dtensor(value) and value.numel() and not _in_unit(value):
+            raise ValueError(f"Invalid state {key} of {where}: values outside [0, 1]; expected scores in [0, 1]")
+
+
+def _in_unit(value: torch.Tensor) -> bool:
+    return bool(((value >= 0) & (value <= 1)).all())
