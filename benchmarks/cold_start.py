@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,7 @@ SWITCH_RE = re.compile(r"Triton kernels in use from step (\d+)")
 def one_run(cfg: dict[str, Any], rundir: Path, cache: Path, timeout: float) -> dict[str, Any]:
     """One timed ``dp --pt train`` run of ``cfg`` in ``rundir`` with Triton's cache at ``cache``."""
     env = prepare_run(rundir, cfg, builtin=False)
-    env.update(TRITON_CACHE_DIR=str(cache), STEP_TIMES_DIR=str(rundir / "times"), WATCH_COMPILES="1")
+    env.update(TRITON_CACHE_DIR=str(cache), STEP_TIMES_DIR=str(rundir / "times"), WATCH_COMPILES="1", PROFILE_FIRST="1")
     cmd = [sys.executable, str(TIMED_DP), "--pt", "train", "input.json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=rundir, env=env, capture_output=True, text=True, timeout=timeout, check=False)
@@ -61,6 +62,12 @@ def one_run(cfg: dict[str, Any], rundir: Path, cache: Path, timeout: float) -> d
     later = host[1:]
     slowest = max(range(len(later)), key=later.__getitem__) + 1 if later else None
     switch = SWITCH_RE.search(log)
+    k = int(switch.group(1)) if switch else len(host)
+
+    def median(values: list[float]) -> float | None:
+        return round(statistics.median(values), 3) if values else None
+
+    gpu, between = ours.get("gpu_ms", []), ours.get("between_host_ms", [])
     missed = [c for c in compiles if c["what"] == "kernel" and not c["cache_hit"]]
     launchers = [c for c in compiles if c["what"] == "launcher"]
     return {
@@ -75,6 +82,11 @@ def one_run(cfg: dict[str, Any], rundir: Path, cache: Path, timeout: float) -> d
         "compiled_in_training_process": [(c["kernel"], c["after_steps"], c["attrs"]) for c in missed],
         "launchers_built_in_training_process": [(c["after_steps"], round(c["seconds"], 2)) for c in launchers],
         "kernel_loads": sum(c["what"] == "kernel" and c["cache_hit"] for c in compiles),
+        "launcher_names": [c["name"] for c in launchers],
+        # the optimizer step on the GPU and the rest of the training step, before and after the switch
+        "step_gpu_ms_median_before_after": [median(gpu[1:k]), median(gpu[k + 3 :])],
+        "between_host_ms_median_before_after": [median(between[1:k]), median(between[k + 3 :])],
+        "first_step_profile": times.get("_first_step_profile"),
         "log_lines": [line for line in log.splitlines() if "Triton" in line][:6],
         "host_ms": host,
         "tail": log.strip().splitlines()[-5:] if proc.returncode else [],
@@ -106,8 +118,10 @@ def main() -> int:
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except ImportError:
         pass
-    print("| config | cache | first step (ms) | slowest later step (ms, step) | steps > 100 ms | kernels from step "
-          "| s/batch | compiled here | launchers built here |")
+    print(
+        "| config | cache | first step (ms) | slowest later step (ms, step) | steps > 100 ms | kernels from step "
+        "| s/batch | compiled here | launchers built here |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for spec in args.configs:
         path = resolve_config(spec, args.config_dir)
@@ -118,7 +132,12 @@ def main() -> int:
         for i in range(1 + args.warm_runs):
             kind = "cold" if i == 0 else "warm"
             cfg = timing_input(
-                config, path, "ours", steps=args.steps, disp_freq=100, stat_file=workdir / f"{label}.hdf5",
+                config,
+                path,
+                "ours",
+                steps=args.steps,
+                disp_freq=100,
+                stat_file=workdir / f"{label}.hdf5",
                 opt_kw=opt_kw,
             )
             run = one_run(cfg, workdir / f"{label}_{kind}{i}", cache, args.timeout)

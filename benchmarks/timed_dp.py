@@ -23,6 +23,9 @@ its specialization, and how many steps of our optimizer had run) and every host 
 built with the C compiler (``triton.runtime.build._build``, with its seconds): the evidence
 of work done in the training process rather than in the compile process.
 
+With ``PROFILE_FIRST=1`` the first step of our optimizer runs under cProfile; the JSON holds
+its 25 costliest calls (cumulative) under ``"_first_step_profile"``.
+
 With ``WAIT_FOR_KERNELS=<seconds>``, after the first step of deepmd-hybridmuon's optimizer
 the run waits (at most that long) for the Triton kernels to compile, so that they land in
 Triton's cache for the timed runs after it (a run that ends first stops their compilation).
@@ -105,6 +108,10 @@ def main() -> int:
 
     if os.environ.get("WATCH_COMPILES") == "1" and cuda:
         _watch_compiles(compiles, ours_steps)
+    profiling = {"wanted": os.environ.get("PROFILE_FIRST") == "1", "profile": None, "text": None}
+
+    def ours(opt: torch.optim.Optimizer) -> bool:
+        return type(opt).__module__.startswith("deepmd_hybridmuon")
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if implementation and type(opt).__module__.startswith("deepmd_hybridmuon"):
@@ -120,8 +127,21 @@ def main() -> int:
             if end is not None and start is not None:
                 entry.between.append((end, start))
         entry.open = (start, now)
+        if profiling["wanted"] and ours(opt):
+            import cProfile
+
+            profiling["wanted"], profiling["profile"] = False, cProfile.Profile()
+            profiling["profile"].enable()
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if profiling["profile"] is not None and ours(opt):
+            import io
+            import pstats
+
+            profiling["profile"].disable()
+            text = io.StringIO()
+            pstats.Stats(profiling["profile"], stream=text).sort_stats("cumulative").print_stats(25)
+            profiling["profile"], profiling["text"] = None, text.getvalue()
         entry = steps.get(id(opt))
         if entry is not None and entry.open is not None:
             start, t0 = entry.open
@@ -161,6 +181,8 @@ def main() -> int:
                 }
             if compiles:
                 times["_compiles"] = compiles
+            if profiling["text"]:
+                times["_first_step_profile"] = profiling["text"]
             path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(times))

@@ -35,6 +35,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,20 @@ from .spans import _SPAN_OPTIONS, _apply_kernel, _gather_kernel, _momentum_kerne
 log = logging.getLogger("deepmd.hybridmuon")
 
 Key = tuple[Any, ...]
+
+#: Compile processes at most, each taking a share of the missing variants: the phased
+#: variants take 7-8 s each, so one process for all of them kept the torch path for ~50 s
+#: (DPA-3, BENCHMARKS.md); each process costs a CUDA context and an import of torch.
+WORKERS = 4
+#: Niceness of the compile processes (the training process's threads come first).
+NICE = 10
+
+
+def _shares(keys: list[Key]) -> list[list[Key]]:
+    """``keys`` dealt to at most :data:`WORKERS` processes, the slow phased variants first."""
+    ordered = sorted(keys, key=lambda key: (key[0] != "phased", repr(key)))
+    count = min(WORKERS, len(ordered))
+    return [ordered[i::count] for i in range(count)]
 
 
 class Ledger:
@@ -157,6 +172,8 @@ class _Pending:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(left)
         self.registry.poll(load=False)
+        if self.registry.hashing is not None:
+            self.registry.hashing.join()
         while self.registry.loadable & self.keys:
             self.registry.poll()  # loads one more
         return self.is_set()
@@ -172,7 +189,8 @@ class _Worker:
 class KernelRegistry:
     """Which Triton variants this process has loaded, and the compilations under way.
 
-    One object, used from the training thread only (no locks, no threads). See the module
+    One object, used from the training thread only (no locks; one short-lived hashing thread,
+    :meth:`_hash_triton`). See the module
     docstring for the contract.
 
     Parameters
@@ -199,6 +217,29 @@ class KernelRegistry:
         self.devices: dict[Key, torch.device] = {}
         self.workers: list[_Worker] = []
         self._closing_registered = False
+        self.hashing: threading.Thread | None = None
+
+    def _hash_triton(self) -> None:
+        """Start hashing Triton's library off the training thread (once).
+
+        Triton's first cache lookup in a process hashes its own 400 MB library
+        (``triton_key``, 0.4-0.7 s, cached for the process). In the training thread that
+        would hold one step, so a thread does it as soon as kernels are asked for, and no
+        variant loads until it is done. The thread only reads and hashes files (no compiler:
+        nothing native to cut short at exit) and is no daemon: an interpreter exiting in
+        that second waits for it.
+        """
+        if self.hashing is not None:
+            return
+        try:
+            from triton.runtime.cache import triton_key
+        except ImportError:  # another Triton: its first load hashes in the training thread
+            return
+        self.hashing = threading.Thread(target=triton_key, name="deepmd-hybridmuon-triton-key")
+        self.hashing.start()
+
+    def _may_load(self) -> bool:
+        return self.hashing is None or not self.hashing.is_alive()
 
     # ----------------------------------------------------------------- asking
 
@@ -229,10 +270,11 @@ class KernelRegistry:
         new = sorted(keys - self.ready - self.loadable - in_flight, key=repr)
         for key in new:
             self.devices[key] = device
+        self._hash_triton()
         cached = [key for key in new if self.ledger.has(key, device)]
         missing = [key for key in new if key not in cached]
         self.loadable.update(cached)
-        if missing and self.background and self._start(missing, device):
+        if missing and self.background and all(self._start(part, device) for part in _shares(missing)):
             log.info("Triton kernels: compiling %d variants in the background; torch kernels until then", len(missing))
         else:
             for key in missing:  # at once, in this process
@@ -293,7 +335,7 @@ class KernelRegistry:
                 else:
                     self.ledger.add(key, worker.device)
                     self.loadable.add(key)
-        if load and self.loadable:
+        if load and self.loadable and self._may_load():
             self._load(min(self.loadable, key=repr))
 
     def _load(self, key: Key, compile_here: bool = False) -> None:
@@ -335,6 +377,8 @@ def compile_worker() -> None:
     checks the parent between keys).
     """
     parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(NICE)  # the training process's threads come first on a busy CPU
     if sys.platform.startswith("linux"):
         import ctypes
         import signal

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
 import triton.language as tl
 
 from .. import functional as F
