@@ -13,7 +13,7 @@ only ever see state they can step with.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,17 +57,23 @@ def check_state_dict(
     if not isinstance(saved_groups, Sequence) or len(saved_groups) != len(groups):
         count = len(saved_groups) if isinstance(saved_groups, Sequence) else repr(saved_groups)
         raise ValueError(f"Invalid param_groups in the state dict: {count} groups; this optimizer has {len(groups)}")
-    params: list[torch.Tensor] = []
+    # The saved groups' "params" name the parameters the state is keyed by, in the order of the
+    # current groups' parameters: indices (torch's state_dict) or names (torch.distributed's
+    # get_optimizer_state_dict, which deepmd's FSDP2 checkpoints use). torch pairs them by position.
+    by_saved_id: dict[Any, torch.Tensor] = {}
     for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
         _check_group(index, saved, len(group["params"]))
-        params += list(group["params"])
+        by_saved_id.update(zip(saved["params"], group["params"], strict=True))
     state = state_dict["state"]
     if not isinstance(state, Mapping):
         raise ValueError(f"Invalid state in the state dict: {type(state).__name__}; expected a mapping")
     for key, entry in state.items():
-        if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < len(params):
-            raise ValueError(f"Invalid state key {key!r}; expected a parameter index in [0, {len(params)})")
-        _check_entry(f"parameter {key} ({describe(params[key])})", entry, params[key])
+        p = by_saved_id.get(key) if isinstance(key, Hashable) else None
+        if p is None:
+            known = list(by_saved_id)
+            shown = known if len(known) <= 6 else [*known[:3], "...", *known[-2:]]
+            raise ValueError(f"Invalid state key {key!r}; expected one of the saved param_groups' params {shown}")
+        _check_entry(f"parameter {key!r} ({describe(p)})", entry, p)
 
 
 def _check_group(index: int, saved: Any, count: int) -> None:
@@ -80,8 +86,8 @@ def _check_group(index: int, saved: Any, count: int) -> None:
             f"Invalid {where}: lacks the HybridMuon keys {missing}; not a HybridMuon state dict "
             f"(expected the keys {list(GROUP_KEYS)})"
         )
-    if "params" not in saved or len(saved["params"]) != count:
-        got = len(saved["params"]) if "params" in saved else "no"
+    if not isinstance(saved.get("params"), Sequence) or len(saved["params"]) != count:
+        got = len(saved["params"]) if isinstance(saved.get("params"), Sequence) else "no list of"
         raise ValueError(f"Invalid {where}: {got} parameters; this optimizer's group {index} has {count}")
     try:
         validate_group(dict(saved))  # a copy: validate_group normalises muon_mode in place

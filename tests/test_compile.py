@@ -120,8 +120,9 @@ def test_variants_in_flight_are_not_compiled_twice(monkeypatch, tmp_path):
         second = K.prepare(GPU, torch.float32, PATHS, magma=True)  # another param_group, same variants
         assert first is not None and second is not None
         assert len(registry.workers) == started
-        # four variants (standard phased, Gram panel, spans, Magma), each compiled once, in parallel
-        assert sorted(len(w.keys) for w in registry.workers) == [1] * min(4, K.compile.WORKERS)
+        # four variants (standard phased, Gram panel, spans, Magma), each compiled by one process
+        compiling = [repr(key) for w in registry.workers for key in w.keys]
+        assert len(compiling) == len(set(compiling)) == 4
         assert not K.wait_ready(0)
     finally:
         registry.close()
@@ -170,7 +171,7 @@ def test_compiled_variants_load_one_per_step_and_a_later_run_needs_no_compile_pr
     other = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=tmp_path / "other")
     try:
         assert not other.prepare(GPU, torch.float32, PATHS, magma=True).is_set()
-        assert len(other.workers) == min(4, K.compile.WORKERS)
+        assert sum(len(w.keys) for w in other.workers) == 4
     finally:
         other.close()
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import make_optimizer
+from conftest import make_optimizer, use_implementation
 
 from deepmd_hybridmuon import HybridMuonOptimizer
 
@@ -165,7 +165,7 @@ BAD_STATE_DICTS = [
         _edit(("state", 1, "exp_avg_sq"), torch.full((4,), float("nan"))),
         "Invalid state exp_avg_sq of parameter 1 ('fit.b'): holds NaN or infinity",
     ),
-    ("index", _edit(("state", 7), {}), "Invalid state key 7; expected a parameter index in [0, 2)"),
+    ("index", _edit(("state", 7), {}), "Invalid state key 7; expected one of the saved param_groups' params [0, 1]"),
 ]
 
 
@@ -178,7 +178,7 @@ def test_bad_state_dict_is_refused_before_anything_changes(implementation, case,
     bad = make(_stepped(source).state_dict())
     named = _named()
     opt = _stepped(named)
-    opt._implementation = implementation
+    use_implementation(opt, implementation)
     before = {k: {kk: vv.clone() if torch.is_tensor(vv) else vv for kk, vv in v.items()} for k, v in opt.state.items()}
     groups_before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -190,6 +190,28 @@ def test_bad_state_dict_is_refused_before_anything_changes(implementation, case,
     for _, p in named:  # and it steps on
         p.grad = torch.ones_like(p)
     opt.step()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_state_dict_keyed_by_parameter_names_loads(implementation):
+    # torch.distributed's get/set_optimizer_state_dict (deepmd's FSDP2 checkpoints) key the state
+    # by parameter name; torch pairs the saved groups' params with the current ones by position.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = HybridMuonOptimizer(net.parameters(), lr=1e-2, named_parameters=net.named_parameters())
+    net(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    saved = get_optimizer_state_dict(net, opt)
+    assert "0.weight" in saved["state"]  # keyed by name, not index
+    other = copy.deepcopy(net)
+    fresh = HybridMuonOptimizer(other.parameters(), lr=1e-2, named_parameters=other.named_parameters())
+    use_implementation(fresh, implementation)
+    set_optimizer_state_dict(other, fresh, saved)
+    for p, q in zip(net.parameters(), other.parameters(), strict=True):
+        for key, value in opt.state[p].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(fresh.state[q][key])), key
 
 
 # ---------------------------------------------------------------------- parameters it cannot handle

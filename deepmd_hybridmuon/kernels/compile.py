@@ -72,9 +72,11 @@ NICE = 10
 
 
 def _shares(keys: list[Key]) -> list[list[Key]]:
-    """``keys`` dealt to at most :data:`WORKERS` processes, the slow phased variants first."""
+    """``keys`` dealt to at most :data:`WORKERS` processes (fewer on few cores), the slow phased variants first."""
     ordered = sorted(keys, key=lambda key: (key[0] != "phased", repr(key)))
-    count = min(WORKERS, len(ordered))
+    # Under torchrun every rank of the node compiles: its share of the cores, halved.
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    count = max(1, min(WORKERS, len(ordered), (os.cpu_count() or 1) // max(1, ranks) // 2))
     return [ordered[i::count] for i in range(count)]
 
 
@@ -274,11 +276,18 @@ class KernelRegistry:
         cached = [key for key in new if self.ledger.has(key, device)]
         missing = [key for key in new if key not in cached]
         self.loadable.update(cached)
-        if missing and self.background and all(self._start(part, device) for part in _shares(missing)):
-            log.info("Triton kernels: compiling %d variants in the background; torch kernels until then", len(missing))
-        else:
-            for key in missing:  # at once, in this process
-                self._load(key, compile_here=True)
+        if missing and self.background:
+            # A share whose process cannot start (an embedded interpreter, no memory) compiles
+            # here, and only that share: the others are compiling already.
+            unstarted = [key for part in _shares(missing) if not self._start(part, device) for key in part]
+            if len(unstarted) < len(missing):
+                log.info(
+                    "Triton kernels: compiling %d variants in the background; torch kernels until then",
+                    len(missing) - len(unstarted),
+                )
+            missing = unstarted
+        for key in missing:  # at once, in this process
+            self._load(key, compile_here=True)
         if cached and not missing:
             log.info("Triton kernels: %d variants from the cache", len(cached))
         return None if keys & self.failed else pending
