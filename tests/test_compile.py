@@ -58,7 +58,7 @@ def test_interpreter_exits_cleanly_while_a_compile_is_in_flight(tmp_path, worker
             time.sleep(0.05)
         print("pid", K.compile.registry.workers[0].process.pid)
         print("set", pending.is_set())
-        K.compile.registry.hashing.join()  # the one thread it starts only hashes files, briefly
+        K.compile.registry.setup.join()  # the one thread it starts only hashes files, briefly
         print("threads", sorted(t.name for t in threading.enumerate()))
         """
     )
@@ -148,7 +148,7 @@ def test_compiled_variants_load_one_per_step_and_a_later_run_needs_no_compile_pr
     assert pending is not None and not pending.is_set() and first.workers
     for worker in first.workers:
         worker.process.wait(60)
-    first.hashing.join()  # Triton's own key: no variant loads before it is hashed (off this thread)
+    first.setup.join()  # Triton's set-up: no variant loads before it is done (off this thread)
     seen = [(pending.is_set(), len(loaded)) for _ in range(4)]  # standard phased, Gram panel, spans, Magma
     assert seen == [(False, 1), (False, 2), (False, 3), (True, 4)]
     # A later run with the same cache: no compile process (its stand-in would leave the
@@ -250,11 +250,12 @@ from deepmd_hybridmuon import HybridMuonOptimizer
 
 events, steps = [], [0]
 def heard(*, src, cache_hit, **_):
-    events.append(("kernel", src.fn.__name__, cache_hit, steps[0]))
+    detail = "" if cache_hit else repr((src.signature, src.constants, src.attrs))  # what a miss was built for
+    events.append(("kernel", src.fn.__name__, cache_hit, steps[0], detail))
 knobs.compilation.listener = heard
 original = build._build
 def counted(name, *args, **kwargs):
-    events.append(("launcher", name, False, steps[0]))
+    events.append(("launcher", name, False, steps[0], ""))
     return original(name, *args, **kwargs)
 build._build = counted
 gen = torch.Generator().manual_seed(0)

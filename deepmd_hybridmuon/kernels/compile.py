@@ -1,7 +1,7 @@
 """Compilation of the kernel variants off the training process: :class:`KernelRegistry`.
 
-Contract. The training process never compiles a kernel and never builds a launcher: a child
-process (:func:`compile_worker`) does both into Triton's disk cache, while the engine steps
+Contract. The training process never compiles a kernel and never builds a launcher: child
+processes (:func:`compile_worker`, up to :data:`WORKERS`) do both into Triton's disk cache, while the engine steps
 with the torch kernels; the training process then loads the variants from that cache, one
 per step (tens of milliseconds each), and the engine switches to them once all are loaded.
 
@@ -12,6 +12,8 @@ per step (tens of milliseconds each), and the engine switches to them once all a
   launches find exactly those binaries.
 * The child also builds each launch's host launcher (a C module Triton builds with the system
   compiler at a kernel's first launch), so that the training process only loads it.
+* Triton's one-time set-up of a process (a hash of its own library, its driver module) runs
+  in a short thread (:meth:`KernelRegistry._set_up_triton`); no variant loads before it ends.
 * :class:`Ledger`: the variants some process compiled into this Triton cache. A later run
   finds them there: no child, the same one-per-step loading from the first step on.
 * Why a process and not a thread: Triton compiles in native code (LLVM, ptxas). A daemon
@@ -174,8 +176,8 @@ class _Pending:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(left)
         self.registry.poll(load=False)
-        if self.registry.hashing is not None:
-            self.registry.hashing.join()
+        if self.registry.setup is not None:
+            self.registry.setup.join()
         while self.registry.loadable & self.keys:
             self.registry.poll()  # loads one more
         return self.is_set()
@@ -191,8 +193,8 @@ class _Worker:
 class KernelRegistry:
     """Which Triton variants this process has loaded, and the compilations under way.
 
-    One object, used from the training thread only (no locks; one short-lived hashing thread,
-    :meth:`_hash_triton`). See the module
+    One object, used from the training thread only (no locks; one short-lived set-up thread,
+    :meth:`_set_up_triton`). See the module
     docstring for the contract.
 
     Parameters
@@ -219,29 +221,40 @@ class KernelRegistry:
         self.devices: dict[Key, torch.device] = {}
         self.workers: list[_Worker] = []
         self._closing_registered = False
-        self.hashing: threading.Thread | None = None
+        self.setup: threading.Thread | None = None
 
-    def _hash_triton(self) -> None:
-        """Start hashing Triton's library off the training thread (once).
+    def _set_up_triton(self, device: torch.device) -> None:
+        """Start Triton's one-time set-up of a process off the training thread (once).
 
         Triton's first cache lookup in a process hashes its own 400 MB library
-        (``triton_key``, 0.4-0.7 s, cached for the process). In the training thread that
-        would hold one step, so a thread does it as soon as kernels are asked for, and no
-        variant loads until it is done. The thread only reads and hashes files (no compiler:
-        nothing native to cut short at exit) and is no daemon: an interpreter exiting in
-        that second waits for it.
+        (``triton_key``, 0.4-0.7 s), and its first launch sets up its CUDA driver module and
+        asks ``ptxas`` its version: one step held for half a second in the training thread.
+        A thread does it as soon as kernels are asked for, and no variant loads until it is
+        done. The thread reads and hashes files, loads a module and runs subprocesses (no
+        compiler runs inside this process: nothing native to cut short at exit), and is no
+        daemon: an interpreter exiting in that second waits for it.
         """
-        if self.hashing is not None:
+        if self.setup is not None:
             return
         try:
+            from triton.compiler import make_backend
             from triton.runtime.cache import triton_key
-        except ImportError:  # another Triton: its first load hashes in the training thread
+            from triton.runtime.driver import driver
+        except ImportError:  # another Triton: its first load does this in the training thread
             return
-        self.hashing = threading.Thread(target=triton_key, name="deepmd-hybridmuon-triton-key")
-        self.hashing.start()
+
+        def set_up() -> None:
+            triton_key()
+            # Best effort: without it the first load does this in the training thread.
+            with contextlib.suppress(Exception):
+                torch.cuda.set_device(device)  # this thread's current device: the one the kernels run on
+                make_backend(driver.active.get_current_target()).hash()
+
+        self.setup = threading.Thread(target=set_up, name="deepmd-hybridmuon-triton-set-up")
+        self.setup.start()
 
     def _may_load(self) -> bool:
-        return self.hashing is None or not self.hashing.is_alive()
+        return self.setup is None or not self.setup.is_alive()
 
     # ----------------------------------------------------------------- asking
 
@@ -272,7 +285,7 @@ class KernelRegistry:
         new = sorted(keys - self.ready - self.loadable - in_flight, key=repr)
         for key in new:
             self.devices[key] = device
-        self._hash_triton()
+        self._set_up_triton(device)
         cached = [key for key in new if self.ledger.has(key, device)]
         missing = [key for key in new if key not in cached]
         self.loadable.update(cached)
