@@ -1,0 +1,461 @@
+#!/usr/bin/env python
+"""The tables of BENCHMARKS.md, generated from ``benchmarks/results/*.json``.
+
+Each table sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in BENCHMARKS.md,
+followed inside the block by the machine, date, commit and command of every results file it reads
+(from the file itself or from ``results/provenance.json``). The prose around the blocks is written by
+hand. Deterministic: the output depends on the results files only.
+
+    python benchmarks/benchmarks_doc.py            # rewrite the blocks of BENCHMARKS.md
+    python benchmarks/benchmarks_doc.py --check    # exit 1 if BENCHMARKS.md differs from what this generates
+
+``readme_claims()`` lists the figures the README repeats, each as the exact text the README must
+contain (tests/test_docs.py checks both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DOC = HERE.parent / "BENCHMARKS.md"
+sys.path.insert(0, str(HERE))
+import quality_report as quality  # noqa: E402
+
+TIMES, DASH = "\N{MULTIPLICATION SIGN}", "\N{EN DASH}"
+
+MODEL = {
+    "se_e2_a_water": "se_e2_a water",
+    "dpa2_small_water": "DPA-2 small water",
+    "dpa3_water": "DPA-3 water",
+    "dpa4_water": "DPA-4 water",
+}
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / name).read_text())
+
+
+def source(name: str) -> dict[str, str]:
+    """Machine, date, commit and command of a results file: provenance.json's, else the file's own fields."""
+    data = load(name)
+    own = {k: data[k] for k in ("machine", "date", "commit", "command") if isinstance(data.get(k), str)}
+    return {**own, **load("provenance.json").get(name, {})}
+
+
+def sources(names: list[str]) -> str:
+    lines = []
+    for name in names:
+        s = source(name)
+        lines.append(
+            f"- `{name}`: {s['machine']}, {s['date']}, commit {s['commit']}: `{s['command']}`"
+            + (f" (transcribed from {data_from})" if (data_from := load(name).get("transcribed_from")) else "")
+        )
+    return "Sources:\n\n" + "\n".join(lines)
+
+
+def table(head: list[str], rows: list[list[str]], right: int = 1) -> str:
+    align = ["---"] * right + ["---:"] * (len(head) - right)
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def commit(name: str) -> str:
+    """The short commit of a results file, or what its provenance says instead (e.g. 'not recorded')."""
+    c = source(name)["commit"]
+    return c.split()[0] if re.fullmatch(r"[0-9a-f]{7,40}", c.split()[0]) else c
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs)
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}{TIMES}" if a and b else ""
+
+
+def f4(x: float | None) -> str:
+    return f"{x:.4f}" if x is not None else "not run"
+
+
+# ------------------------------------------------------------------------------- end to end
+
+
+def end_to_end_rows() -> list[dict[str, Any]]:
+    """Mean s/batch per optimizer for each single-GPU end-to-end measurement."""
+    rows = []
+    d3 = load("train_speed_dpa3_h100_2026-11-22.json")
+    runs = [r for c in d3["calls"] for r in c["results"]]
+    rows.append({"model": "dpa3_water", "file": "train_speed_dpa3_h100_2026-11-22.json", "runs": runs})
+    d4 = load("train_speed_dpa4_h100_2026-11-24.json")
+    rows.append({"model": "dpa4_water", "file": "train_speed_dpa4_h100_2026-11-24.json", "runs": d4["results"]})
+    p4 = load("multi_gpu_dpa4_h100x1_stage0_pairs_2026-11-25.json")
+    runs = [{"variant": v, "average_s_per_batch": s} for p in p4["pairs"] for v, s in p["s_per_batch"].items()]
+    rows.append({"model": "dpa4_water", "file": "multi_gpu_dpa4_h100x1_stage0_pairs_2026-11-25.json", "runs": runs})
+    d2 = load("multi_gpu_dpa2_small_h100x1_stage0_pairs_2026-11-25.json")
+    runs = [
+        {"variant": key.rsplit("-", 1)[1], "average_s_per_batch": r["average_s_per_batch"]}
+        for key, r in d2["configs"]["dpa2_small_water"]["runs"].items()
+        if key != "warmup"
+    ]
+    rows.append(
+        {"model": "dpa2_small_water", "file": "multi_gpu_dpa2_small_h100x1_stage0_pairs_2026-11-25.json", "runs": runs}
+    )
+    for row in rows:
+        for v in ("ours", "adamw", "builtin"):
+            xs = [r["average_s_per_batch"] for r in row["runs"] if r["variant"] == v]
+            row[v] = (mean(xs), len(xs)) if xs else (None, 0)
+    return rows
+
+
+def end_to_end() -> str:
+    rows = []
+    for r in end_to_end_rows():
+        s = source(r["file"])
+
+        def cell(v: str, r: dict[str, Any] = r) -> str:
+            return f"{r[v][0]:.4f} ({r[v][1]})" if r[v][0] else "not run"
+
+        rows.append(
+            [
+                MODEL[r["model"]],
+                f"{s['date'][:10]}, {commit(r['file'])}",
+                cell("ours"),
+                cell("adamw"),
+                cell("builtin"),
+                ratio(r["ours"][0], r["adamw"][0]),
+                ratio(r["builtin"][0], r["ours"][0]),
+            ]
+        )
+    head = ["model", "date, commit", "ours s/batch (runs)", "AdamW", "built-in", "ours / AdamW", "built-in / ours"]
+    return table(head, rows, right=2) + "\n\n" + sources([r["file"] for r in end_to_end_rows()])
+
+
+# --------------------------------------------------------------------------------- quality
+
+QUALITY = ["quality_se_e2_a_water.json", "quality_dpa3_water.json", "quality_dpa4_water_h200x2_2026-11-24.json"]
+
+
+def _quality(name: str) -> tuple[list[dict[str, Any]], str, str, tuple[str, float, int]]:
+    runs, _ = quality.collect([RESULTS / name])
+    force, _energy, kind = quality.config_columns(runs)
+    return runs, force, kind, quality.adamw_target(runs, force)
+
+
+def _final_mean(rs: list[dict[str, Any]], force: str) -> float | None:
+    finals = [quality._final(r["lcurve"], force) for r in rs if quality._complete(r)]
+    return mean(finals) if finals else None
+
+
+def _best(runs: list[dict[str, Any]], force: str, optimizer: str) -> tuple[str, list[dict[str, Any]]] | None:
+    labels = [(lb, rs) for lb, rs in quality._by_label(runs).items() if rs[0]["optimizer"] == optimizer]
+    labels = [(lb, rs) for lb, rs in labels if _final_mean(rs, force) is not None]
+    return min(labels, key=lambda x: _final_mean(x[1], force)) if labels else None
+
+
+def time_to_accuracy() -> str:
+    rows = []
+    for name in QUALITY:
+        runs, force, kind, target = _quality(name)
+        label, value, _n = target
+        cells = [MODEL[runs[0]["config"]], str(runs[0]["steps"]), f"{value * 1e3:.1f} meV/Å ({kind}, {label})"]
+        for opt in ("ours", "builtin", "adam"):
+            best = _best(runs, force, opt)
+            cells.append(f"{quality._reach_cell(best[1], force, value)} at {best[1][0]['start_lr']:g}" if best else "")
+        rows.append(cells)
+    head = ["model", "steps", "AdamW's final val force error", "ours: steps (s)", "built-in: steps (s)", "AdamW"]
+    return table(head, rows, right=3) + "\n\n" + sources(QUALITY)
+
+
+def learning_rate() -> str:
+    rows = []
+    names = {"ours": "ours", "builtin": "built-in", "adam": "Adam(W)"}
+    for name in QUALITY:
+        runs, force, kind, _target = _quality(name)
+        for _label, rs in sorted(
+            quality._by_label(runs).items(), key=lambda x: (x[1][0]["optimizer"], x[1][0]["start_lr"])
+        ):
+            full = [r for r in rs if quality._complete(r)]
+            if not full:
+                continue
+            value = quality._mean_sd([quality._final(r["lcurve"], force) for r in full], 1e3, "{:.1f}")
+            tests = [r["test"]["rmse_f"] for r in full if (r.get("test") or {}).get("rmse_f") is not None]
+            rows.append(
+                [
+                    MODEL[rs[0]["config"]],
+                    names[rs[0]["optimizer"]],
+                    f"{rs[0]['start_lr']:g}",
+                    f"{len(full)}/{len(rs)}",
+                    f"{value} ({kind})",
+                    quality._mean_sd(tests, 1e3, "{:.1f}") if tests else "",
+                ]
+            )
+    head = ["model", "optimizer", "start_lr", "complete runs", "final val force error (meV/Å)", "test force RMSE"]
+    return table(head, rows, right=2) + "\n\n" + sources(QUALITY)
+
+
+# ------------------------------------------------------------------------------ several GPUs
+
+#: (results file, config, stage): the multi-GPU rows, newest code first per configuration.
+MULTI = [
+    ("multi_gpu_dpa3_h200x2_2026-11-24.json", "dpa3_water", 0),
+    ("multi_gpu_dpa3_h200x2_2026-11-24.json", "dpa3_water", 1),
+    ("multi_gpu_dpa2_small_h200x2_2026-11-24.json", "dpa2_small_water", 0),
+    ("multi_gpu_dpa2_small_h200x2_2026-11-24.json", "dpa2_small_water", 2),
+    ("multi_gpu_dpa2_small_h200x2_2026-11-24.json", "dpa2_small_water", 3),
+    ("multi_gpu_dpa2_small_h200x2_2026-11-23.json", "dpa2_small_water", 1),
+    ("multi_gpu_dpa4_h200x2_2026-11-23.json", "dpa4_water", 0),
+    ("multi_gpu_dpa2_small_h100x1_stage2_2026-11-25.json", "dpa2_small_water", 2),
+    ("multi_gpu_dpa4_noema_h100x1_stage2_2026-11-24.json", "dpa4_water", 2),
+]
+STAGE = {0: "0 (DDP)", 1: "1 (ZeRO-1)", 2: "2 (FSDP2)", 3: "3 (FSDP2)"}
+
+
+def _run(name: str, config: str, key: str) -> dict[str, Any] | None:
+    r = load(name)["configs"][config]["runs"].get(key)
+    return r if r and r.get("returncode") == 0 and r.get("average_s_per_batch") else None
+
+
+def several_gpus() -> str:
+    rows = []
+    for name, config, stage in MULTI:
+        data, s = load(name), source(name)
+        got = {v: _run(name, config, f"stage{stage}-{v}") for v in ("ours", "adamw", "builtin")}
+        spb = {v: (r["average_s_per_batch"] if r else None) for v, r in got.items()}
+        step = [f"{r['optimizer_step']['slowest_rank_median_ms']:.2f}" if r else DASH for r in got.values()]
+        rows.append(
+            [
+                MODEL[config] + (", EMA off" if data.get("enable_ema_off") else ""),
+                f"{data['gpus']} {TIMES} {data['device'].replace('NVIDIA ', '').replace(' 80GB HBM3', '')}",
+                f"{s['date'][:10]}, {commit(name)}",
+                STAGE[stage],
+                *(f4(spb[v]) for v in ("ours", "adamw", "builtin")),
+                ratio(spb["ours"], spb["adamw"]),
+                " / ".join(step),
+            ]
+        )
+    head = ["model", "GPUs", "date, commit", "zero_stage", "ours s/batch", "AdamW", "built-in", "ours / AdamW"]
+    head.append("step ms ours / AdamW / built-in")
+    return table(head, rows, right=4) + "\n\n" + sources(list(dict.fromkeys(n for n, _, _ in MULTI)))
+
+
+# ---------------------------------------------------------------------------- the step alone
+
+
+def step_rows() -> list[list[Any]]:
+    """(model, file, ours, adamw, builtin) median ms of the optimizer step alone."""
+    rows = []
+    h = load("step_time_h100_2026-11-22.json")
+    for config, m in h["median_ms"].items():
+        rows.append([config, "step_time_h100_2026-11-22.json", m["ours"], m["adamw"], m["builtin"], "step_time.py"])
+    d = load("step_time_dpa4_h100_2026-11-23.json")
+    for config in ("dpa3_water", "dpa4_water"):
+        med = {r["variant"]: r["median_ms"] for r in d["configs"][config]["results"] if r.get("ok")}
+        rows.append(
+            [config, "step_time_dpa4_h100_2026-11-23.json", med["ours"], med["adamw"], med["builtin"], "step_time.py"]
+        )
+    p = load("multi_gpu_dpa4_h100x1_stage0_pairs_2026-11-25.json")
+    for i, pair in enumerate(p["pairs"], 1):
+        m = pair["optimizer_step_median_ms"]
+        rows.append(
+            [
+                "dpa4_water",
+                "multi_gpu_dpa4_h100x1_stage0_pairs_2026-11-25.json",
+                m["ours"],
+                m["adamw"],
+                m["builtin"],
+                f"inside `dp`, pair {i}",
+            ]
+        )
+    return rows
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3g}" if x < 10 else f"{x:.1f}"
+
+
+def step_alone() -> str:
+    rows = []
+    for config, name, ours, adamw, builtin, how in step_rows():
+        s = source(name)
+        rows.append(
+            [
+                MODEL[config],
+                f"{s['date'][:10]}, {commit(name)}",
+                how,
+                _ms(ours),
+                _ms(adamw),
+                _ms(builtin),
+                ratio(ours, adamw),
+                f"{builtin / ours:.0f}{TIMES}",
+            ]
+        )
+    head = ["model", "date, commit", "timed by", "ours median ms", "fused AdamW", "built-in", "ours / AdamW"]
+    head.append("built-in / ours")
+    return table(head, rows, right=3) + "\n\n" + sources(list(dict.fromkeys(r[1] for r in step_rows())))
+
+
+# ------------------------------------------------------------------------------- cold start
+
+COLD = ["cold_start_dpa3_h100_2026-11-25_a4f09b7.json", "cold_start_dpa3_h100_2026-11-25.json"]
+
+
+def cold_runs() -> list[tuple[str, str, dict[str, Any]]]:
+    """(file, cache, run): the runs of each file, cold then warm."""
+    out = []
+    for name in COLD:
+        for i, r in enumerate(load(name)["runs"]):
+            out.append((name, r.get("cache", ("cold", "warm")[i]), r))
+    return out
+
+
+def cold_start() -> str:
+    rows = []
+    for name, cache, r in cold_runs():
+        compiled = len(r.get("compiled_in_training_process") or [])
+        rows.append(
+            [
+                commit(name),
+                f"{cache} Triton cache",
+                f"{r['first_step_ms']:.0f}",
+                f"{r['slowest_later_step_ms']:,.0f} (step {r['slowest_later_step']})",
+                f"{r['s_per_batch']:.4f}",
+                str(compiled),
+            ]
+        )
+    head = [
+        "commit",
+        "run",
+        "first step ms",
+        "slowest later step ms",
+        "s/batch",
+        "kernels compiled in training process",
+    ]
+    return table(head, rows, right=2) + "\n\n" + sources(COLD)
+
+
+# ---------------------------------------------------------------------------------- design
+
+
+def design_phased() -> str:
+    d = load("phased_sweep_h100_2026-11-22.json")
+    rows = []
+    for g in d["groups"]:
+        st, gr = g["standard"], g["gram"]
+        rows.append(
+            [
+                g["group"],
+                f"{st['phased']} / {st['cublas']}",
+                f"{st['phased'] / st['cublas']:.2f}",
+                f"{gr['phased']} / {gr['cublas']}",
+                f"{gr['phased'] / gr['cublas']:.2f}",
+            ]
+        )
+    head = ["group", "standard NS µs: phased / cuBLAS", "ratio", "Gram NS µs: phased / cuBLAS", "ratio"]
+    return table(head, rows) + "\n\n" + sources(["phased_sweep_h100_2026-11-22.json"])
+
+
+GRAPH = [
+    ("multi_gpu_dpa2_small_h100x1_stage0_between_2026-11-25.json", "CUDA graph (default)"),
+    ("multi_gpu_dpa2_small_h100x1_stage0_between_eager_2026-11-25.json", "`engine-eager` (no graph)"),
+]
+
+
+def design_graph() -> str:
+    rows = []
+    for name, how in GRAPH:
+        for key, r in load(name)["configs"]["dpa2_small_water"]["runs"].items():
+            if not key.endswith("-ours"):
+                continue
+            rank = r["optimizer_step"]["per_rank"]["rank0"]
+            rows.append(
+                [how, key, f"{rank['median_ms']:.2f}", f"{rank['host_mean_ms']:.2f}", f"{r['average_s_per_batch']:.4f}"]
+            )
+    head = ["ours", "run", "step ms (GPU median)", "step ms (host mean)", "s/batch"]
+    return table(head, rows, right=2) + "\n\n" + sources([n for n, _ in GRAPH])
+
+
+def design_ddp_split() -> str:
+    d = load("ddp_split_h200x2_2026-11-23.json")
+    rows = [
+        [
+            r["case"],
+            f"{r['ns_cost_saved']:.1e}",
+            f"{r['off']['median_ms']:.3g}",
+            f"{r['always']['median_ms']:.3g}",
+            f"{r['ratio']:.2f}",
+        ]
+        for r in d["rows"]
+        if r.get("off") and r.get("always")
+    ]
+    head = ["case", "NS cost saved per rank", '`"off"` ms (engine)', '`"always"` ms (split)', "always / off"]
+    return table(head, rows) + "\n\n" + sources(["ddp_split_h200x2_2026-11-23.json"])
+
+
+BLOCKS = {
+    "end-to-end": end_to_end,
+    "time-to-accuracy": time_to_accuracy,
+    "learning-rate": learning_rate,
+    "several-gpus": several_gpus,
+    "step-alone": step_alone,
+    "cold-start": cold_start,
+    "design-phased": design_phased,
+    "design-graph": design_graph,
+    "design-ddp-split": design_ddp_split,
+}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block replaced by what the results give now."""
+    for name, make in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"BENCHMARKS.md has no block {name}")
+        text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
+    return text
+
+
+# ---------------------------------------------------------------------------------- README
+
+
+def readme_claims() -> list[str]:
+    """The README's figures, each as the exact text it must contain, computed from the results."""
+    e2e = end_to_end_rows()
+    d3 = next(r for r in e2e if r["model"] == "dpa3_water")
+    d4 = [r for r in e2e if r["model"] == "dpa4_water"]
+    vs_adamw = [r["ours"][0] / r["adamw"][0] for r in (d3, *d4)]
+    vs_builtin = [r["builtin"][0] / r["ours"][0] for r in (d3, *d4)]
+    steps = {(c, n): (o, b) for c, n, o, _a, b, _h in step_rows() if n.startswith("step_time_h100")}
+    ours3, builtin3 = steps[("dpa3_water", "step_time_h100_2026-11-22.json")]
+    return [
+        f"{min(vs_adamw):.2f}{DASH}{max(vs_adamw):.2f}{TIMES} AdamW's s/batch",
+        f"{min(vs_builtin):.2f}{DASH}{max(vs_builtin):.2f}{TIMES} faster than deepmd-kit's built-in HybridMuon",
+        f"{ours3:.2f} ms against the built-in's {builtin3:.0f} ms",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if BENCHMARKS.md differs")
+    args = parser.parse_args(argv)
+    text = DOC.read_text()
+    new = render(text)
+    if args.check:
+        if new != text:
+            print("BENCHMARKS.md differs from benchmarks/benchmarks_doc.py's output; run it to update", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
