@@ -29,6 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     DEFAULT_CONFIG_DIR,
+    TIMED_DP,
     command_line,
     parse_kw,
     parse_log,
@@ -39,7 +40,6 @@ from common import (
     write_json,
 )
 
-TIMED_DP = Path(__file__).resolve().with_name("timed_dp.py")
 #: The optimizer's log line once the Triton kernels run (deepmd_hybridmuon.optimizer).
 SWITCH_RE = re.compile(r"Triton kernels in use from step (\d+)")
 

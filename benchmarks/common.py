@@ -24,6 +24,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The shared inputs next to the checkout (CI: ../shared).
 DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "configs"
+#: deepmd's ``dp`` with every optimizer step timed (``timed_dp.py``).
+TIMED_DP = Path(__file__).resolve().with_name("timed_dp.py")
 #: Set to 1, this package's plugin steps aside and deepmd-kit's own HybridMuon runs.
 DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
 #: The plugin's log line when it builds the optimizer.

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     DEFAULT_CONFIG_DIR,
     NO_MULTICAST_ENV,
+    TIMED_DP,
     command_line,
     error_columns,
     last_line,
@@ -58,7 +59,6 @@ from common import (
     write_json,
 )
 
-TIMED_DP = Path(__file__).resolve().with_name("timed_dp.py")
 VARIANTS = ("ours", "adamw", "builtin")
 #: The optimizer whose step() is the whole step when several are timed (ZeRO-1 wraps the local one).
 OUTER = "ZeroRedundancyOptimizer"
