@@ -490,9 +490,8 @@ ZERO_STAGES: dict[int, tuple[str, str, str]] = {
     0: (
         "DDP",
         "every GPU holds the whole model and optimizer state and steps every parameter",
-        "flat engine on every rank; where a param_group's Newton-Schulz work is large enough to pay "
-        "(ddp_split='auto'), each rank orthogonalises its share of the Muon matrices and one all-gather per step "
-        "shares the updates",
+        "flat engine on every rank: each rank takes the whole step, as one process does, and the replicas stay "
+        "bitwise identical",
     ),
     1: (
         "ZeRO-1",

@@ -21,7 +21,7 @@ from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine
 from .state import check_state_dict
-from .validation import check_gradients, check_parameters, validate_group
+from .validation import check_gradients, check_parameters, check_removed, validate_group
 
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
 log = logging.getLogger("deepmd.hybridmuon")
@@ -29,9 +29,7 @@ log = logging.getLogger("deepmd.hybridmuon")
 __all__ = ["HybridMuonOptimizer"]
 
 #: Constructor keywords that are settings of the optimizer, not of a param_group.
-_OPTIMIZER_KEYS: frozenset[str] = frozenset(
-    {"flash_muon", "use_foreach", "named_parameters", "nonfinite_across_ranks", "ddp_split"}
-)
+_OPTIMIZER_KEYS: frozenset[str] = frozenset({"flash_muon", "use_foreach", "named_parameters", "nonfinite_across_ranks"})
 #: The ways a param_group's step can run; all compute the same step. Not an option: the
 #: default is always right for users. Tests and benchmarks pick one by setting the private
 #: attribute ``_implementation`` of an optimizer before its first step (the only switch;
@@ -47,7 +45,6 @@ IMPLEMENTATIONS: tuple[str, ...] = ("engine", "engine-eager", "loop")
 _PICKLED: dict[str, Any] = {
     "flash_muon": True,
     "nonfinite_across_ranks": False,
-    "ddp_split": "off",
     "_implementation": "engine",
     "_names_version": 0,
     "_state_version": 0,
@@ -147,8 +144,8 @@ class HybridMuonOptimizer(Optimizer):
     gradients hold NaN or inf is skipped (parameters and state unchanged, decided on the
     device; see :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor)
     parameters work, each Muon matrix orthogonalised once, on one owner rank
-    (:mod:`deepmd_hybridmuon.distributed`); under DDP the replicas can share the
-    Newton–Schulz work (``ddp_split``).
+    (:mod:`deepmd_hybridmuon.distributed`); under DDP every replica takes the whole step,
+    as one process does.
 
     Implementations: the per-parameter loop (:mod:`deepmd_hybridmuon.loop`) is the specification; the flat
     engine (:mod:`deepmd_hybridmuon.engine`) computes the same step in batched kernels, with
@@ -195,24 +192,9 @@ class HybridMuonOptimizer(Optimizer):
         ``step()`` all-reduces the finite flag over the default process group, so a
         non-finite gradient anywhere skips the step on every rank. Every rank must then call
         ``step()`` the same number of times. The plugin turns it on for ``zero_stage`` 1.
-    ddp_split
-        Keyword-only. ``"off"`` (default), ``"auto"`` or ``"always"``: for replicated plain
-        parameters under DDP (deepmd's ``zero_stage`` 0: every rank holds the same parameters
-        and the same all-reduced gradients), split the Newton–Schulz work of each param_group
-        across the ranks instead of computing it on every rank. Every rank does the
-        elementwise work on its whole tensors, orthogonalises only the matrices it owns (owners
-        balanced by Newton–Schulz cost, the same on every rank), and one all-gather per group
-        and step gives every rank every delta; each delta is computed once, so the replicas stay
-        bitwise identical. ``"auto"`` splits a group only where that pays
-        (:func:`deepmd_hybridmuon.distributed.split_pays`: the Newton–Schulz work it saves each
-        rank exceeds :data:`deepmd_hybridmuon.distributed.DDP_SPLIT_MIN_COST`), else the flat
-        engine runs as with ``"off"``; ``"always"`` splits every group with Muon matrices. It
-        changes nothing without torch.distributed initialised with more than one rank, for
-        DTensor (FSDP2) parameters, and for a group whose parameters span devices or whose Muon
-        parameters have several dtypes. Every rank must call ``step()`` the same number of
-        times. Never use it under ZeRO-1 (``ZeroRedundancyOptimizer``, ``zero_stage`` 1): each
-        rank has different parameters there, and the ranks' collectives would not match. The
-        plugin passes ``"auto"`` at ``zero_stage`` 0 with more than one rank.
+    removed
+        Options that were removed (``ddp_split``) raise a ``ValueError`` that says what to do
+        (:data:`deepmd_hybridmuon.validation.REMOVED_KEYS`); other unknown keywords a ``TypeError``.
     """
 
     def __init__(
@@ -232,15 +214,17 @@ class HybridMuonOptimizer(Optimizer):
         use_foreach: bool | None = None,
         *,
         nonfinite_across_ranks: bool = False,
-        ddp_split: str = "off",
+        **removed: Any,
     ) -> None:
+        check_removed(removed)
+        if removed:
+            raise TypeError(
+                f"HybridMuonOptimizer.__init__() got an unexpected keyword argument {next(iter(removed))!r}"
+            )
         flags = {"flash_muon": flash_muon, "nonfinite_across_ranks": nonfinite_across_ranks}
         for key, flag in flags.items():
             if not isinstance(flag, bool):
                 raise ValueError(f"Invalid {key}: {flag!r}; expected true or false")
-        if not isinstance(ddp_split, str) or ddp_split not in distributed.DDP_SPLIT_MODES:
-            allowed = ", ".join(repr(m) for m in distributed.DDP_SPLIT_MODES)
-            raise ValueError(f"Invalid ddp_split: {ddp_split!r}; expected one of {allowed}")
         if use_foreach is not None and not isinstance(use_foreach, bool):
             raise ValueError(f"Invalid use_foreach: {use_foreach!r}; expected true, false or None")
         defaults = {
@@ -258,8 +242,6 @@ class HybridMuonOptimizer(Optimizer):
         defaults["muon_mode"] = str(muon_mode).lower()
         self.flash_muon = flash_muon
         self.nonfinite_across_ranks = nonfinite_across_ranks
-        self.ddp_split = ddp_split
-        self._ddp_ran: dict[int, distributed.DdpSplit] = {}  # groups whose last step ran the DDP split
         self._implementation = "engine"  # see IMPLEMENTATIONS
         self._param_names: dict[int, str] = {}
         self._names_version = 0  # bumped when names change: the flat engines rebuild
@@ -277,11 +259,13 @@ class HybridMuonOptimizer(Optimizer):
         """Add a param_group after validating its keys and values (also after steps).
 
         Keys of the constructor that are no group hyperparameters (``flash_muon``,
-        ``use_foreach``, ``nonfinite_across_ranks``, ``ddp_split``) are dropped: ``ZeroRedundancyOptimizer``
+        ``use_foreach``, ``nonfinite_across_ranks``) are dropped: ``ZeroRedundancyOptimizer``
         copies every constructor keyword into the groups it hands to its local optimizer. A
-        value other than the optimizer's own is refused: it would not apply to the group.
+        value other than the optimizer's own is refused: it would not apply to the group, and so
+        is a removed option (``ddp_split``).
         """
-        for key in ("flash_muon", "nonfinite_across_ranks", "ddp_split"):
+        check_removed(param_group)
+        for key in ("flash_muon", "nonfinite_across_ranks"):
             if key in param_group and param_group[key] != getattr(self, key):
                 raise ValueError(
                     f"Invalid param_group key {key}: {param_group[key]!r}; it is a setting of the whole optimizer "
@@ -368,7 +352,7 @@ class HybridMuonOptimizer(Optimizer):
         """What ``pickle``, ``copy.deepcopy`` and ``torch.save`` keep: torch's part, the settings and the names.
 
         torch's part is ``defaults``, ``state`` and ``param_groups`` (its hooks are dropped, as
-        torch does). The caches of the step (the flat engines, the DDP split) are left out and
+        torch does). The caches of the step (the flat engines) are left out and
         rebuilt at the next step; the names given by :meth:`set_param_names` are kept by
         parameter position, since a copy has other parameter objects.
         """
@@ -387,11 +371,11 @@ class HybridMuonOptimizer(Optimizer):
         state = dict(state)
         names = state.pop("param_names", None)
         settings = {key: state.pop(key) for key in _PICKLED if key in state}
+        state.pop("ddp_split", None)  # pickles of versions that had the option
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)
         for key, default in _PICKLED.items():
             setattr(self, key, settings.get(key, getattr(self, key, default)))
-        self._ddp_ran = getattr(self, "_ddp_ran", {})
         self._engines = {}  # rebuilt at the next step
         if names is not None:
             params = [p for group in self.param_groups for p in group["params"]]
@@ -460,14 +444,6 @@ class HybridMuonOptimizer(Optimizer):
             if any(distributed.is_dtensor(p) for p in group["params"]):
                 distributed.step_group(self, index, group, shared)  # FSDP2: the owner computes
                 continue
-            split = distributed.ddp_split_of(self, index, group)
-            if split is not None:  # DDP: Newton–Schulz split across the replicas
-                # The engine holds the state as views and reads it at build: rebuild it if it runs again.
-                self._engines.pop(index, None)
-                self._ddp_ran[index] = split
-                distributed.ddp_step_group(self, group, split, shared)
-                continue
-            self._ddp_ran.pop(index, None)
             engine = self._engine(index, group)
             if engine is None:
                 loop.step_group(self.state, group, self.route_of, shared)
@@ -575,13 +551,10 @@ class HybridMuonOptimizer(Optimizer):
     def execution_table(self) -> list[dict[str, Any]]:
         """How steps run, one row per param_group, as of the last step.
 
-        ``implementation``: ``"engine"`` (the flat engine), ``"ddp-split"`` (the
-        Newton–Schulz work split across DDP replicas, ``ddp_split``; also ``world``,
-        ``matrices``, ``owned_matrices`` by this rank, ``ns_cost_per_rank`` and
-        ``ns_cost_total`` in :func:`deepmd_hybridmuon.distributed.ns_cost` units), ``"fsdp2"``
-        (FSDP2 DTensor parameters: the owner computes, :mod:`deepmd_hybridmuon.distributed`) or ``"loop"``
-        (not stepped yet, the loop chosen, or a group the engine does not support). The two
-        distributed rows also give ``kernels``: ``"triton"`` when the owners' Newton–Schulz runs the
+        ``implementation``: ``"engine"`` (the flat engine), ``"fsdp2"`` (FSDP2 DTensor
+        parameters: the owner computes, :mod:`deepmd_hybridmuon.distributed`) or ``"loop"``
+        (not stepped yet, the loop chosen, or a group the engine does not support). The FSDP2
+        rows also give ``kernels``: ``"triton"`` when the owners' Newton–Schulz runs the
         engine's Triton launches, ``"compiling"`` or ``"torch"``, and ``torch_matrices``: (rows,
         cols) of each shape this rank orthogonalises on the torch path. For the engine also:
         ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
@@ -592,9 +565,6 @@ class HybridMuonOptimizer(Optimizer):
         """
         rows = []
         for index, group in enumerate(self.param_groups):
-            if index in self._ddp_ran:
-                rows.append(self._ddp_ran[index].summary())
-                continue
             if any(distributed.is_dtensor(p) for p in group["params"]):
                 rows.append(distributed.fsdp_summary(self, index))
                 continue

@@ -258,9 +258,6 @@ def patch_trainer(module: Any) -> None:
             # ZeRO-1: each rank's optimizer steps its own partition; ranks must agree on
             # skipping a step with a non-finite gradient.
             extra["nonfinite_across_ranks"] = True
-        elif stage == 0 and _world_size() > 1:
-            # DDP: replicated parameters; the ranks share the Newton–Schulz work where it pays.
-            extra.setdefault("ddp_split", "auto")
         optimizer = create(self, HybridMuonOptimizer, **extra)
         _log_first_step(_local(optimizer))  # type: ignore[arg-type]
         return optimizer
@@ -287,13 +284,6 @@ def patch_trainer(module: Any) -> None:
     trainer._create_optimizer = _create_optimizer
     trainer._load_optimizer_state = _load_optimizer_state
     setattr(trainer, _PATCHED, True)
-
-
-def _world_size() -> int:
-    """The default process group's size, 1 without an initialised torch.distributed."""
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _hook_trainer_module(name: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from dargs import Argument
 
 from .functional import MUON_MODES
-from .validation import check_number
+from .validation import REMOVED_KEYS, check_number
 
 __all__ = [
     "HYBRID_MUON_DOC",
@@ -54,13 +54,17 @@ def _in_range(low: float, high: float | None = None, *, open_high: bool = False)
 
 
 _finite = _in_range(-math.inf)
+#: Every value a JSON or YAML input can hold (dargs needs types it can put in a JSON schema).
+_ANY_JSON: list[Any] = [bool, int, float, str, list, dict, None]
 
 
 def hybrid_muon_arguments() -> list[Argument]:
     """Keys of ``"optimizer": {"type": "HybridMuon", ...}``.
 
-    Every key and default of deepmd-kit 3.2.0, plus stricter value checks and the accepted
-    legacy keys.
+    Every key and default of deepmd-kit 3.2.0, plus stricter value checks, the accepted
+    legacy keys, and the removed options (:data:`.validation.REMOVED_KEYS`): any value of
+    one fails with the text that says what to do, and they have no default (nothing is
+    filled in for an input without them).
     """
     unit = "expected a number in [0, 1)"
     return [
@@ -182,6 +186,12 @@ def hybrid_muon_arguments() -> list[Argument]:
             doc="Deprecated (deepmd-kit < 3.2) and ignored: every matrix is routed by its shape "
             "and muon_mode. Accepted with a DeprecationWarning.",
         ),
+        *(
+            Argument(
+                key, _ANY_JSON, optional=True, extra_check=lambda _: False, extra_check_errmsg=text, doc=text + "."
+            )
+            for key, text in REMOVED_KEYS.items()
+        ),
     ]
 
 
@@ -221,6 +231,8 @@ def options_markdown() -> str:
     """The option table of the README, generated from :func:`hybrid_muon_arguments`."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for arg in hybrid_muon_arguments():
+        if arg.name in REMOVED_KEYS:
+            continue
         types = " \\| ".join(sorted("null" if t is type(None) else t.__name__ for t in arg.dtype))
         alias = f" (alias `{'`, `'.join(arg.alias)}`)" if arg.alias else ""
         doc = arg.doc.replace("|", "\\|")

@@ -14,7 +14,15 @@ import torch
 
 from .functional import MUON_MODES
 
-__all__ = ["GROUP_KEYS", "check_gradients", "check_number", "check_parameters", "validate_group"]
+__all__ = [
+    "GROUP_KEYS",
+    "REMOVED_KEYS",
+    "check_gradients",
+    "check_number",
+    "check_parameters",
+    "check_removed",
+    "validate_group",
+]
 
 #: Keys of a param_group: exactly those of deepmd-kit 3.2.0, so checkpoints move both ways.
 GROUP_KEYS: tuple[str, ...] = (
@@ -30,6 +38,21 @@ GROUP_KEYS: tuple[str, ...] = (
 )
 #: Keys other code may add to a param_group: torch's schedulers and named groups.
 _FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
+#: Options that were removed, and what to do instead. The constructor, ``add_param_group`` and
+#: the schema (``dp check``, ``dp train``) refuse each by name with this text.
+REMOVED_KEYS: dict[str, str] = {
+    "ddp_split": (
+        "ddp_split was removed; remove the key: under DDP every replica orthogonalises all the Muon matrices, "
+        "which measured cheaper for DeePMD models than splitting them across the replicas (BENCHMARKS.md)"
+    ),
+}
+
+
+def check_removed(keys: Any) -> None:
+    """Raise ``ValueError`` with :data:`REMOVED_KEYS`' text for the first removed option among ``keys``."""
+    for key in keys:
+        if key in REMOVED_KEYS:
+            raise ValueError(REMOVED_KEYS[key])
 
 
 def _is_real(x: Any) -> bool:
@@ -54,6 +77,7 @@ def check_number(key: str, value: Any, *, low: float, high: float | None = None,
 
 def validate_group(group: dict[str, Any]) -> None:
     """Check every hyperparameter of one param_group; raise ``ValueError`` naming the bad one."""
+    check_removed(group)
     unknown = sorted(set(group) - set(GROUP_KEYS) - _FOREIGN_GROUP_KEYS)
     if unknown:
         raise ValueError(f"Unknown param_group keys: {unknown}; expected a subset of {list(GROUP_KEYS)}")

@@ -70,6 +70,12 @@ def test_examples_pass_and_print_settings_and_routing(legacy, capsys):
         ({"momentum": "high"}, "key `momentum` gets wrong value type, requires <float>"),
         ({"momentun": 0.9}, "undefined key `momentun` is not allowed in strict mode. Did you mean: momentum?"),
         ({"adam_beta2": 1.5}, "key `adam_beta2` gets bad value that fails to pass its extra checking. "),
+        (
+            {"ddp_split": "auto"},
+            "key `ddp_split` gets bad value that fails to pass its extra checking. ddp_split was removed; remove the "
+            "key: under DDP every replica orthogonalises all the Muon matrices, which measured cheaper for DeePMD "
+            "models than splitting them across the replicas (BENCHMARKS.md) (got 'auto')",
+        ),
     ],
 )
 def test_bad_inputs_exit_1_naming_key_value_and_allowed(tmp_path, capsys, change, expected):
@@ -156,7 +162,7 @@ def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, change, expect
     out = capsys.readouterr().out
     assert expected in out
     # the mechanism only with -v (or --table)
-    for word in ("all-gather", "owner rank", "ddp_split", "ZeroRedundancyOptimizer", "DTensor"):
+    for word in ("flat engine", "owner rank", "ZeroRedundancyOptimizer", "DTensor"):
         assert word not in out
     assert main(["check", "--no-routing", "-v", path]) == 0
     verbose = capsys.readouterr().out

@@ -12,15 +12,13 @@ Scenarios
 ---------
 * DDP: ``DistributedDataParallel`` over the se_e2_a model, each rank a different frame
   (real forward and backward, gradients averaged by DDP); the optimizer on every rank does
-  what one process does with the averaged gradient.
+  what one process does with the averaged gradient. deepmd's real ``_create_optimizer`` (our
+  wrapper) on two ranks: a plain optimizer at ``zero_stage`` 0, ``nonfinite_across_ranks`` for
+  ZeRO-1's local optimizer.
 * ZeRO-1: ``ZeroRedundancyOptimizer(optimizer_class=HybridMuonOptimizer)`` with names set as
   deepmd's trainer does; its consolidated state dict resumes a single-process optimizer.
   A NaN gradient skips the step on every rank with ``nonfinite_across_ranks`` (what the
   plugin sets for ``zero_stage`` 1); without it only the owning rank's partition skips.
-* DDP split (``ddp_split``, zero_stage 0): replicated synthetic parameters, each rank
-  orthogonalising its share of the Muon matrices, one all-gather per step; on 2 ranks (the
-  pair) and 3 (spawned apart); with ``"auto"`` a tiny group runs the flat engine, no collective.
-  The plugin passes ``ddp_split="auto"`` at ``zero_stage`` 0 (deepmd's real ``_create_optimizer``).
 * FSDP2: ``fully_shard`` over a float32 DPA-2 model plus extra parameters (uneven first
   dimensions, an empty shard, a 3-D slice-mode tensor, rank-deficient gradients, AdamW);
   default options (Gram path and Magma on); a step with a NaN in one rank's shard only;
@@ -205,11 +203,12 @@ def _scenario_ddp(rank: int, outdir: str) -> None:
         opt.zero_grad(set_to_none=True)
         _loss(ddp, rank, k).backward()
         opt.step()
-    _save(outdir, "ddp", rank, {"params": _snapshot(named), "plugin_ddp_split": _plugin_ddp_split()})
+    _save(outdir, "ddp", rank, {"params": _snapshot(named), "plugin_flags": _plugin_flags()})
 
 
-def _plugin_ddp_split() -> dict[int, str]:
-    """``ddp_split`` of the optimizer deepmd's real ``_create_optimizer`` (our wrapper) builds, per zero_stage.
+def _plugin_flags() -> dict[int, tuple[type, bool]]:
+    """The optimizer deepmd's real ``_create_optimizer`` (our wrapper) builds, per zero_stage: its
+    (local optimizer's) type and ``nonfinite_across_ranks``.
 
     The trainer is built only as far as that method needs (as in test_plugin.py).
     """
@@ -225,7 +224,8 @@ def _plugin_ddp_split() -> dict[int, str]:
         trainer.wrapper = torch.nn.Linear(8, 4)
         trainer._hybridmuon_section = {}
         opt = trainer._create_optimizer(training.HybridMuonOptimizer, lr=1e-3)
-        out[stage] = (opt.optim if stage == 1 else opt).ddp_split
+        local = opt.optim if stage == 1 else opt
+        out[stage] = (type(local), local.nonfinite_across_ranks)
     return out
 
 
@@ -530,70 +530,11 @@ def _scenario_owner(rank: int, outdir: str) -> None:
     _save(outdir, f"owner{world}", rank, results)
 
 
-# ----------------------------------------------------------------------------- DDP: the split
-
-#: World sizes of the DDP-split scenario (2 in the pair; 3 spawned apart).
-DDP_SPLIT_WORLDS = (2, 3)
-DDP_SPLIT_STEPS = OWNER_STEPS
-
-
-def _scenario_ddp_split(rank: int, outdir: str) -> None:
-    """``ddp_split`` on replicated parameters: results, state, collective sequences, per rank.
-
-    The gradients are the same on every rank, as after DDP's all-reduce (its averaging is
-    tested by the "ddp" scenario): the synthetic model of the owner scenario with its NaN
-    step, a one-matrix model (ranks without a matrix) and ``"auto"`` on the synthetic model.
-    """
-    import torch.distributed as dist
-
-    from deepmd_hybridmuon import distributed as D
-
-    world = dist.get_world_size()
-
-    def run(net: torch.nn.Module, steps: int, **options: object) -> dict[str, object]:
-        named = list(net.named_parameters())
-        opt = HybridMuonOptimizer([p for _, p in named], named_parameters=named, lr=LR, **options)
-        out: dict[str, object] = {"traces": []}
-        for k in range(steps):
-            for (_, p), g in zip(named, _owner_grads(named, k), strict=True):
-                p.grad = None if g is None else g.clone()
-            before = _snapshot(named)
-            with D.trace_collectives() as trace:
-                opt.step()
-            out["traces"].append(list(trace))
-            if k == OWNER_NAN_STEP:
-                after = _snapshot(named)
-                out["moved_in_nan_step"] = [n for n in before if not torch.equal(before[n], after[n])]
-        out["end"] = _snapshot(named)
-        out["state"] = _state_by_name(opt, named)
-        out["table"] = opt.execution_table()
-        return out
-
-    results: dict[str, object] = {}
-    for label, options in OWNER_OPTIONS.items():
-        for copies in OWNER_COPIES:
-            results[f"{label}/{copies}"] = run(_Synthetic(copies), DDP_SPLIT_STEPS, ddp_split="always", **options)
-    results["lonely"] = run(_Lonely(), 2, ddp_split="always")
-    results["auto"] = run(_Synthetic(1), 2, ddp_split="auto")
-    _save(outdir, f"ddp_split{world}", rank, results)
-
-
-class _Lonely(torch.nn.Module):
-    """One Muon matrix (and an Adam bias): every rank but its owner owns nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        gen = torch.Generator().manual_seed(3)
-        self.w = torch.nn.Parameter(0.1 * torch.randn(6, 5, generator=gen))
-        self.bias = torch.nn.Parameter(0.1 * torch.randn(5, generator=gen))
-
-
 SCENARIOS = {
     "fsdp2": _scenario_fsdp2,
     "zero": _scenario_zero,
     "ddp": _scenario_ddp,
     "owner": _scenario_owner,
-    "ddp_split": _scenario_ddp_split,
 }
 
 
@@ -763,12 +704,6 @@ def _runs_per_world(
 def owner_runs(run: _Run, tmp_path_factory: pytest.TempPathFactory) -> dict[int, _Run]:
     """The owner-computes scenario on every world size (2: from the pair of ``run``)."""
     return _runs_per_world(run, tmp_path_factory, OWNER_WORLDS, "owner")
-
-
-@pytest.fixture(scope="module")
-def ddp_split_runs(run: _Run, tmp_path_factory: pytest.TempPathFactory) -> dict[int, _Run]:
-    """The DDP-split scenario on every world size (2: from the pair of ``run``)."""
-    return _runs_per_world(run, tmp_path_factory, DDP_SPLIT_WORLDS, "ddp_split")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -1058,116 +993,12 @@ def test_fsdp2_owner_collectives(owner_runs: dict[int, _Run], world: int) -> Non
         assert kinds[OWNER_COPIES[0]] == kinds[OWNER_COPIES[-1]]
 
 
-# ----------------------------------------------------------------------------- checks: the DDP split
-
-
-def _ddp_split(runs: dict[int, _Run], world: int, rank: int = 0) -> dict:
-    return runs[world].result(f"ddp_split{world}", rank)
-
-
-def _assert_same_state(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for name, state in want.items():
-        assert got[name].keys() == state.keys(), name
-        for key, value in state.items():
-            same = torch.equal(got[name][key], value) if isinstance(value, torch.Tensor) else got[name][key] == value
-            assert same, (name, key)
-
-
-def test_ddp_split_rule() -> None:
-    """ "auto" splits where the Newton–Schulz work each rank saves exceeds DDP_SPLIT_MIN_COST: metadata only."""
-    from deepmd_hybridmuon import distributed as D
-
-    def plan(n: int, count: int, world: int) -> D.Plan:
-        route = F.route_parameter("w", (count, n, n), "slice")
-        return D.build_plan([(0, (count, n, n), route)], world)
-
-    # 8 matrices of n × n on 2 ranks: each rank saves 4 of them; n is the smallest power of 2 that pays.
-    n = 16
-    while 4 * D.ns_cost(n, n) <= D.DDP_SPLIT_MIN_COST:
-        n *= 2
-    assert D.split_pays(plan(n, 8, 2)) and D.split_pays(plan(n, 8, 3))
-    assert not D.split_pays(plan(n // 2, 8, 2))
-    assert not D.split_pays(plan(n, 8, 1))  # one rank: nothing to share
-    assert not D.split_pays(plan(n, 1, 2))  # one matrix: nothing saved
-
-
-@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
-@pytest.mark.parametrize("label", list(OWNER_OPTIONS))
-def test_ddp_split_matches_one_process(ddp_split_runs: dict[int, _Run], world: int, label: str) -> None:
-    """2-D, 3-D slice, flat, AdamW, Adam and grad-less parameters, Gram and Magma on: replicas bitwise
-    identical (parameters and every state tensor), and the single-process loop's result.
-
-    Muon within OWNER_RTOL_MUON: the owners orthogonalise the loop's whole matrices, stacked by
-    shape, but Magma's cosines come from per-matrix segment sums (float32, another order of
-    summation than the loop's norms), whose rounding can move a bfloat16/float16 rounding of
-    the Newton–Schulz result. Adam-routed tensors are elementwise: bitwise.
-    """
-    res = _ddp_split(ddp_split_runs, world)[f"{label}/1"]
-    assert res["table"][0]["implementation"] == "ddp-split" and res["table"][0]["world"] == world
-    assert res["table"][0]["kernels"] == OWNERS_KERNELS
-    assert (res["table"][0]["torch_matrices"] == []) == (OWNERS_KERNELS == "triton"), res["table"]
-    for rank in range(1, world):
-        other = _ddp_split(ddp_split_runs, world, rank)[f"{label}/1"]
-        _assert_exact(other["end"], res["end"])
-        _assert_same_state(other["state"], res["state"])
-    ref = _owner_reference(OWNER_OPTIONS[label])
-    got = res["end"]
-    assert torch.equal(got["blocks.0.p.nograd"], ref["start"]["blocks.0.p.nograd"])
-    muon = {n for n in got if _route(n, got[n].shape, label) == "muon"}
-    assert {"blocks.0.p.w2d", "blocks.0.p.slab", "blocks.0.p.lead1"} <= muon
-    _assert_matches_loop(ref["start"], got, ref["end"], label)
-
-
-@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
-def test_ddp_split_nan_skips_every_rank(ddp_split_runs: dict[int, _Run], world: int) -> None:
-    """A NaN gradient (on every rank, as after DDP's all-reduce): no parameter moves on any rank."""
-    for rank in range(world):
-        res = _ddp_split(ddp_split_runs, world, rank)
-        for label in OWNER_OPTIONS:
-            for copies in OWNER_COPIES:
-                assert res[f"{label}/{copies}"]["moved_in_nan_step"] == [], (rank, label, copies)
-
-
-@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
-def test_ddp_split_collectives(ddp_split_runs: dict[int, _Run], world: int) -> None:
-    """One all-gather per step on every rank, the same sequence (sizes too), for 1× and 3× the parameters."""
-    for label in OWNER_OPTIONS:
-        kinds = {}
-        for copies in OWNER_COPIES:
-            traces = [_ddp_split(ddp_split_runs, world, r)[f"{label}/{copies}"]["traces"] for r in range(world)]
-            assert all(t == traces[0] for t in traces), (label, copies)
-            kinds[copies] = [[kind for kind, _ in step] for step in traces[0]]
-            assert kinds[copies] == [["all_gather"]] * DDP_SPLIT_STEPS, kinds[copies]
-        assert kinds[OWNER_COPIES[0]] == kinds[OWNER_COPIES[-1]]
-
-
-@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
-def test_ddp_split_rank_without_matrices(ddp_split_runs: dict[int, _Run], world: int) -> None:
-    """One Muon matrix: its owner computes, the other ranks send padding; all end with the loop's result."""
-    results = [_ddp_split(ddp_split_runs, world, r)["lonely"] for r in range(world)]
-    owned = [r["table"][0]["owned_matrices"] for r in results]
-    assert sorted(owned) == [0] * (world - 1) + [1]
-    for r in results[1:]:
-        _assert_exact(r["end"], results[0]["end"])
-        assert r["traces"] == results[0]["traces"]
-    ref = _owner_reference({}, _Lonely(), steps=2)
-    _assert_matches_loop(ref["start"], results[0]["end"], ref["end"])
-
-
-@pytest.mark.parametrize("world", DDP_SPLIT_WORLDS)
-def test_ddp_split_auto_keeps_the_engine_for_small_groups(ddp_split_runs: dict[int, _Run], world: int) -> None:
-    """ "auto" on a group far below DDP_SPLIT_MIN_COST: the flat engine runs, no collective is issued."""
-    for rank in range(world):
-        res = _ddp_split(ddp_split_runs, world, rank)["auto"]
-        assert res["traces"] == [[], []]
-        assert res["table"][0]["implementation"] == "engine"
-
-
-def test_plugin_passes_ddp_split_auto_at_stage_0(run: _Run) -> None:
-    """deepmd's trainer on 2 ranks: "auto" at zero_stage 0; ZeRO-1's local optimizer keeps "off"."""
+def test_plugin_on_two_ranks(run: _Run) -> None:
+    """deepmd's trainer on 2 ranks: a plain HybridMuonOptimizer at zero_stage 0 (every replica steps the whole
+    group: test_ddp_matches_one_process); ZeRO-1's local optimizer makes the ranks agree on skipping."""
     for rank in range(WORLD):
-        assert run.result("ddp", rank)["plugin_ddp_split"] == {0: "auto", 1: "off"}
+        flags = run.result("ddp", rank)["plugin_flags"]
+        assert flags == {0: (HybridMuonOptimizer, False), 1: (HybridMuonOptimizer, True)}
 
 
 def test_flat_and_write_back_round_trip_empty_and_transposed_tensors() -> None:
@@ -1298,73 +1129,10 @@ def test_fsdp2_on_a_gpu_runs_the_kernels_matches_the_loop_and_never_waits() -> N
     assert float(worst) <= KERNEL_MUON_TOL, run.stdout
 
 
-# The DDP split on a GPU with two ranks: NCCL cannot put two ranks on one GPU, gloo can (it
-# stages CUDA tensors through the host). Each rank runs the script; the owners' Triton launches
-# are compiled after the first step (both ranks take the same steps whatever their kernels'
-# state: the collectives do not depend on it).
-DDP_ON_ONE_GPU = (
-    """
-import copy, sys, torch, torch.distributed as dist
-rank, port = int(sys.argv[1]), int(sys.argv[2])
-torch.cuda.set_device(0)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-from deepmd_hybridmuon import HybridMuonOptimizer, kernels
-"""
-    + GPU_MODEL
-    + """
-net = model()  # step(): the same seeded gradients on both ranks, as after DDP's all-reduce
-ref = copy.deepcopy(net)
-start = [p.detach().clone() for p in net.parameters()]
-opt, ref_opt = optimizer(net, ddp_split="always"), optimizer(ref)
-ref_opt._implementation = "loop"
-for k in range(5):
-    step(net, opt, k)
-    step(ref, ref_opt, k)
-    if k == 0:
-        kernels.wait_ready(240)  # the next step loads the compiled variants
-ends = [None, None]
-dist.all_gather_object(ends, [p.detach().cpu() for p in net.parameters()])
-errors = []
-for p, r, p0 in zip(net.parameters(), ref.parameters(), start):
-    moved, expected = p.detach() - p0, r.detach() - p0
-    errors.append(float((moved - expected).norm() / expected.norm()))
-row = opt.execution_table()[0]
-print(all(torch.equal(a, b) for a, b in zip(*ends)), row["torch_matrices"])
-print(row["implementation"], row["kernels"], row["owned_matrices"], max(errors))
-dist.destroy_process_group()
-"""
-)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_ddp_split_on_a_gpu_runs_the_kernels_keeps_replicas_identical_and_matches_the_loop(tmp_path: Path) -> None:
-    import subprocess
-
-    script = tmp_path / "ddp_on_one_gpu.py"
-    script.write_text(DDP_ON_ONE_GPU)
-    port = str(_free_port())
-    ranks = [
-        subprocess.Popen([sys.executable, str(script), str(rank), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for rank in range(2)
-    ]
-    outs = [rank.communicate(timeout=400) for rank in ranks]
-    for rank, (_, err) in zip(ranks, outs, strict=True):
-        assert rank.returncode == 0, err.decode()[-3000:]
-    for out, _ in outs:
-        identical, torch_matrices = out.decode().splitlines()[-2].split(" ", 1)
-        implementation, kernels, owned, worst = out.decode().splitlines()[-1].split()
-        assert (identical, torch_matrices) == ("True", "[]"), out.decode()
-        assert (implementation, kernels) == ("ddp-split", "triton"), out.decode()
-        assert int(owned) > 0  # 5 matrices on 2 ranks: each owns some
-        # the owners' Triton launches against the loop's cuBLAS chain: test_parity's kernel
-        # tolerance, on the norm of each parameter's change over the 5 steps
-        assert float(worst) <= KERNEL_MUON_TOL, out.decode()
-
-
 @pytest.mark.skipif(torch.cuda.is_available() or OWNERS_KERNELS == "triton", reason="runs the selection interpreted")
 def test_owners_run_the_triton_kernels_under_the_interpreter() -> None:
-    """FSDP2 owners and the DDP split on the engine's Triton launches: the one-process loop's result, to tolerance."""
+    """FSDP2 owners on the engine's Triton launches: the one-process loop's result, to tolerance."""
     from conftest import run_interpreted
 
-    select = "(fsdp2_owner_matches_one_process or ddp_split_matches_one_process) and (slice-2 or flat-2)"
+    select = "fsdp2_owner_matches_one_process and (slice-2 or flat-2)"
     run_interpreted(__file__, select)

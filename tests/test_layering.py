@@ -35,7 +35,7 @@ LAYERS = [
 #: Inside a layer that is a package, its modules in the README's order (``__init__`` gathers them).
 SUBLAYERS = {
     "engine": ["compilation", "layout", "batched", "execution", "group", "__init__"],
-    "distributed": ["plan", "local", "fsdp", "ddp", "__init__"],
+    "distributed": ["plan", "local", "fsdp", "__init__"],
 }
 #: The back arrow the README names: ``dp check`` is added to ``dp`` by the plugin, and runs the CLI.
 ALLOWED_BACK_ARROWS = {("plugin", "cli")}

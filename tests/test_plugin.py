@@ -35,6 +35,7 @@ def test_schema_keeps_every_builtin_key_and_default():
     from deepmd.utils.argcheck import normalize
 
     from deepmd_hybridmuon.schema import LEGACY_KEYS
+    from deepmd_hybridmuon.validation import REMOVED_KEYS
 
     ours = {a.name: a for a in hybrid_muon_arguments()}
     expected_defaults = {
@@ -50,7 +51,7 @@ def test_schema_keeps_every_builtin_key_and_default():
         "magma_muon": True,
     }
     assert {k: ours[k].default for k in expected_defaults} == expected_defaults
-    assert set(ours) == set(expected_defaults) | set(LEGACY_KEYS)
+    assert set(ours) == set(expected_defaults) | set(LEGACY_KEYS) | set(REMOVED_KEYS)
     # The optimizer's constructor, used outside dp, has the same defaults as the schema.
     signature = inspect.signature(HybridMuonOptimizer).parameters
     constructor = {k: signature[k].default for k in expected_defaults if k in signature}
@@ -60,6 +61,29 @@ def test_schema_keeps_every_builtin_key_and_default():
     # the alias still normalises through deepmd's own normalize()
     data = _minimal_input({"type": "HybridMuon", "muon_momentum": 0.9})
     assert normalize(data)["optimizer"]["momentum"] == 0.9
+
+
+@pytest.mark.parametrize("value", ["auto", "off", None])
+def test_the_schema_refuses_the_removed_ddp_split_by_name(value):
+    """dp train's own normalize() (dp check's too) says the key was removed and what to do; an input
+    without it gets no ``ddp_split`` filled in."""
+    from dargs.dargs import ArgumentValueError
+    from deepmd.utils.argcheck import normalize
+
+    from deepmd_hybridmuon.validation import REMOVED_KEYS
+
+    with pytest.raises(ArgumentValueError, match="key `ddp_split` gets bad value") as err:
+        normalize(_minimal_input({"type": "HybridMuon", "ddp_split": value}))
+    assert str(err.value).endswith(REMOVED_KEYS["ddp_split"])
+    assert "ddp_split" not in normalize(_minimal_input({"type": "HybridMuon"}))["optimizer"]
+
+
+def test_the_json_schema_of_the_input_has_the_removed_key():
+    """deepmd's JSON schema of the input (for editors) takes the removed key's types (dargs needs JSON types)."""
+    from deepmd.utils.argcheck import gen_json_schema
+
+    plugin.register_schema()
+    assert '"ddp_split": {"description": "ddp_split was removed' in gen_json_schema()
 
 
 def _minimal_input(optimizer):
@@ -232,7 +256,6 @@ def test_zero_stage_1_makes_ranks_agree_on_skipping(stage, tmp_path):
         assert isinstance(opt, ZeroRedundancyOptimizer) == (stage == 1)
         assert isinstance(local, HybridMuonOptimizer)
         assert local.nonfinite_across_ranks == (stage == 1)
-        assert local.ddp_split == "off"  # one rank: nothing to split (test_distributed: "auto" on two)
         for p in trainer.wrapper.parameters():
             p.grad = torch.ones_like(p)
         opt.step()  # the all-reduce of the flag runs (one rank)

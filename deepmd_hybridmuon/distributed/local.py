@@ -1,7 +1,6 @@
-"""The step's work on local tensors, shared by the FSDP2 step and the DDP split.
+"""The FSDP2 step's work on local tensors: a rank's shards (:func:`local_shard`).
 
-Local tensors are an FSDP2 rank's shards, or a plain (replicated) tensor itself:
-:func:`local_shard` of a plain tensor is the tensor. The elementwise work (Adam routes,
+:func:`local_shard` of a plain tensor is the tensor itself. The elementwise work (Adam routes,
 Muon momentum, decay, Magma's per-matrix sums) is batched over a param_group's tensors in
 one flat concatenation; the owners' Newton–Schulz runs stacked by shape.
 """
@@ -175,22 +174,21 @@ def _local_muon(
     flat_grad: torch.Tensor,
     ok: torch.Tensor,
     segments: Segments,
-    reduce: Callable[[torch.Tensor], Any] | None,
+    reduce: Callable[[torch.Tensor], Any],
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Decay, momentum and Magma of the Muon parameters ``muon`` (plan order), on local tensors.
 
     ``flat_grad``: their local gradients, flat (:func:`_local_inputs`). ``reduce`` completes
-    Magma's per-matrix sums in place (FSDP2: an all-reduce of the shards' partial sums);
-    ``None`` when the local tensors hold whole matrices. Returns the local
-    parameter tensors, their flat concatenation (decayed), the flat Nesterov update (in the
+    Magma's per-matrix sums in place (an all-reduce of the shards' partial sums). Returns
+    the local parameter tensors, their flat concatenation (decayed), the flat Nesterov update (in the
     momentum's dtype) and Magma's multiplier per matrix (``None`` without Magma).
     """
     grad_dtypes, param_dtypes = {grads[id(p)].dtype for p in muon}, {p.dtype for p in muon}
     if len(grad_dtypes) > 1 or len(param_dtypes) > 1:
         dtypes = grad_dtypes | param_dtypes
         raise NotImplementedError(
-            f"Muon parameters of one param_group in several dtypes {sorted(map(str, dtypes))} under FSDP2 or "
-            "ddp_split; HybridMuon needs one parameter dtype and one gradient dtype per group there"
+            f"Muon parameters of one param_group in several dtypes {sorted(map(str, dtypes))} under FSDP2; "
+            "HybridMuon needs one parameter dtype and one gradient dtype per group there"
         )
     for p in muon:
         state = opt.state[p]
@@ -230,8 +228,7 @@ def _local_muon(
     m64, g64 = flat_buf.to(wide), g.to(wide)
     products = torch.stack([m64 * g64, m64 * m64, g64 * g64], dim=1)  # (local elements, 3)
     sums = segments.sums(products)
-    if reduce is not None:
-        reduce(sums)
+    reduce(sums)
     flat_score = _flat(scores)
     raw = F.magma_score(sums[:, 0], sums[:, 1].sqrt(), sums[:, 2].sqrt()).to(torch.float32)
     damp = F.magma_scale_(flat_score, raw, ok)
@@ -245,14 +242,14 @@ def local_elementwise(
     plan: Plan,
     device: torch.device,
     shared: torch.Tensor | None,
-    agree: Callable[[torch.Tensor], Any] | None,
+    agree: Callable[[torch.Tensor], Any],
     segments: Segments,
-    reduce: Callable[[torch.Tensor], Any] | None,
+    reduce: Callable[[torch.Tensor], Any],
 ) -> tuple[F.GroupSettings, torch.Tensor, tuple[Any, ...] | None]:
-    """The elementwise half of both distributed steps, on this rank's local tensors.
+    """The elementwise half of the FSDP2 step, on this rank's local tensors.
 
     The finite gate (with ``shared``, the flag already agreed by ``nonfinite_across_ranks``;
-    ``agree`` makes the ranks agree on it in place, FSDP2's all-reduces), the Adam routes, then
+    ``agree`` makes the ranks agree on it in place: the all-reduces), the Adam routes, then
     the Muon momentum, decay and Magma (``segments``, ``reduce``: :func:`_local_muon`). Returns
     the group's settings, the gate and :func:`_local_muon`'s result (``None`` without Muon matrices).
     """
@@ -260,8 +257,7 @@ def local_elementwise(
     grads = {id(p): loop.grad_of(p) for p in active}
     inputs = _local_inputs(opt, group, plan, grads, device)
     ok = inputs.ok if shared is None else torch.minimum(inputs.ok, shared.to(device))
-    if agree is not None:
-        agree(ok)
+    agree(ok)
     _local_adam(opt, inputs.settings, inputs.buckets, ok)
     if inputs.muon_grad is None:
         return inputs.settings, ok, None
@@ -393,10 +389,9 @@ def orthogonalize_owned(
 ) -> None:
     """Newton–Schulz of the owned matrices, scaled and damped, into ``out``.
 
-    ``owned`` and ``out`` are owned buffers (:func:`_owned`'s layout); ``out`` may be longer
-    (padding, left as it is) and of a wider dtype. The matrices ``kernels`` takes go through the
-    Triton launches (:class:`OwnedKernels`); the others are stacked by shape (``groups``) and
-    orthogonalised by :func:`functional.orthogonalize`.
+    ``owned`` and ``out`` are owned buffers (:func:`_owned`'s layout); ``out`` may be of a wider
+    dtype. The matrices ``kernels`` takes go through the Triton launches (:class:`OwnedKernels`);
+    the others are stacked by shape (``groups``) and orthogonalised by :func:`functional.orthogonalize`.
     """
     done = kernels.run(settings, owned, damp, out) if kernels is not None else set()
     for i, sg in enumerate(groups):

@@ -1,6 +1,6 @@
 """Who orthogonalises what: the plan (metadata only, the same on every rank), owned layouts, collectives.
 
-Every collective of the two distributed steps (:mod:`.fsdp`, :mod:`.ddp`) goes through
+Every collective of the FSDP2 step (:mod:`.fsdp`) goes through
 :func:`_collective`, which :func:`trace_collectives` records (the tests compare the sequences
 of all ranks). Outside it: the optimizer's all-reduce of the finite gate
 (``nonfinite_across_ranks``, once per ``step()``), and DTensor's own redistributions of state

@@ -155,7 +155,7 @@ def kernel_paths(
 def build_fused(K: ModuleType, f: Fused, device: torch.device) -> None:
     """The device tables and workspaces of one Triton launch group (``f``'s fields), on ``device``.
 
-    Also used for the owners' matrices under FSDP2 and the DDP split (``distributed.OwnedKernels``).
+    Also used for the owners' matrices under FSDP2 (``distributed.OwnedKernels``).
     """
     kw = {"device": device}
     f.table = torch.tensor(f.meta, dtype=torch.int64, **kw)
