@@ -538,7 +538,7 @@ def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO
 
 # ---------------------------------------------------------------- learning rate
 
-#: BENCHMARKS.md ("Training quality on real DFT water" and "DPA-4 water"; README: "Choosing the learning rate"):
+#: BENCHMARKS.md ("What learning rate should I use?"; README: "Choosing the learning rate when you switch from Adam"):
 #: at the start_lr that suits Adam (1e-3) HybridMuon learned slowly or not at all, 5e-3 was at the edge on DPA-3,
 #: and about 10x Adam's rate (8e-3 to 2e-2) trained best, on runs of 1000 to 1500 steps.
 ADAM_LR_BELOW = 5e-3
