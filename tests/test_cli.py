@@ -193,6 +193,8 @@ def test_learning_rate_schedule_is_deepmds(tmp_path, capsys, name):
     from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
 
     path = EXAMPLES / name if name == "input.json" else SHARED_CONFIGS / name
+    if not path.is_file():  # the shared configs lie beside the repository on the team's and CI's machines only
+        pytest.skip(f"{path} is not here")
     config = json.loads(path.read_text())
     assert main(["check", "--no-routing", str(path)]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("learning rate: "))
