@@ -216,6 +216,14 @@ def _input_wins(optimizer: torch.optim.Optimizer, before: list[dict[str, Any]]) 
                 group[key] = value
 
 
+def _written_by_hybridmuon(state_dict: Any) -> bool | None:
+    """Whether a state dict has HybridMuon's param_groups (ours or the built-in's); ``None`` if it can't tell."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
+        return None
+    return all(set(GROUP_KEYS) <= set(g) for g in groups)
+
+
 def patch_trainer(module: Any) -> None:
     """Wrap ``module.Trainer`` so that it builds our optimizer for ``HybridMuon``. Idempotent.
 
@@ -265,7 +273,20 @@ def patch_trainer(module: Any) -> None:
     @functools.wraps(load)
     def _load_optimizer_state(self: Any, *args: Any, **kwargs: Any) -> None:
         local = _local(self.optimizer)
-        if not isinstance(local, HybridMuonOptimizer):
+        saved = args[0] if args else kwargs.get("optimizer_state_dict")
+        ours = isinstance(local, HybridMuonOptimizer)
+        written_by_ours = _written_by_hybridmuon(saved)
+        if getattr(self, "restart_training", True) and written_by_ours is not None and written_by_ours != ours:
+            # --restart from a checkpoint of another optimizer type: its state cannot drive this one
+            # (AdamW has no momentum_buffer, HybridMuon no betas), so the optimizer starts afresh.
+            log.warning(
+                "restart: the checkpoint's optimizer state was written by %s and this input trains %s: the "
+                "optimizer starts with fresh state (the weights and the step come from the checkpoint)",
+                "HybridMuon" if written_by_ours else "another optimizer",
+                type(local).__name__,
+            )
+            return None
+        if not ours:
             return load(self, *args, **kwargs)
         before = [{k: g[k] for k in GROUP_KEYS if k != "lr"} for g in local.param_groups]
         load(self, *args, **kwargs)

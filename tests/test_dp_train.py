@@ -153,3 +153,27 @@ def test_pt_expt_backend_trains_and_restarts_with_our_optimizer(workdir):
     log = _dp(["--pt-expt", "train", "input.json", "--restart", "model.ckpt-10.pt"], run_dir)
     assert LOG_LINE in log
     assert _lcurve(run_dir / "lcurve.out")[-1, 0] == 20
+
+
+@pytest.mark.parametrize(("first", "then"), [("AdamW", "HybridMuon"), ("HybridMuon", "AdamW")])
+def test_restart_from_another_optimizers_checkpoint_starts_the_optimizer_afresh(workdir, first, then):
+    """--restart with another optimizer type than the checkpoint's: fresh optimizer state, one log line, no crash."""
+
+    def config(steps: int, kind: str) -> dict:
+        out = _input(workdir, steps)
+        if kind == "AdamW":
+            out["optimizer"] = {"type": "AdamW"}
+            out["learning_rate"]["start_lr"] = 1e-3
+        return out
+
+    run_dir = workdir / f"{first}_to_{then}"
+    run_dir.mkdir()
+    (run_dir / "input.json").write_text(json.dumps(config(10, first)))
+    _dp(["--pt", "train", "input.json"], run_dir)
+    (run_dir / "input.json").write_text(json.dumps(config(20, then)))
+    log = _dp(["--pt", "train", "input.json", "--restart", "model.ckpt-10.pt"], run_dir)
+    writer = "HybridMuon" if first == "HybridMuon" else "another optimizer"
+    assert f"restart: the checkpoint's optimizer state was written by {writer}" in log, log[-3000:]
+    assert _lcurve(run_dir / "lcurve.out")[-1, 0] == 20
+    ckpt = torch.load(run_dir / "model.ckpt-20.pt", map_location="cpu", weights_only=False)
+    assert ("hybridmuon" in ckpt["optimizer"]) == (then == "HybridMuon")
