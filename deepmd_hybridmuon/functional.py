@@ -337,14 +337,15 @@ def _gram_schedule(coeffs: tuple[tuple[float, float, float], ...], restarts: fro
     return GramSchedule(coeffs, tuple(k in restarts for k in range(steps)))
 
 
-def pow2_downscale(amax: torch.Tensor) -> torch.Tensor:
-    """The power of two ``2^-e`` that brings ``amax`` below 2: ``e = max(0, floor(log2(amax)))``.
+def pow2_downscale(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """The power of two ``2^-e`` per block of ``x`` (reduced over ``dim``) that brings it below 2 in magnitude.
 
-    ``amax`` holds the largest magnitudes of blocks of a tensor (in its dtype). Multiplying a
+    ``e = max(0, floor(log2(amax)))`` with ``amax`` the block's largest magnitude. Multiplying a
     block by the result is exact (a power of two), keeps its largest element in [1, 2), so that
     sums of squares of the block cannot overflow, and is the identity (1) for blocks already
-    below 2, and for zero or non-finite ``amax``. Same dtype and shape as ``amax``.
+    below 2, and for zero or non-finite blocks. ``x``'s dtype, with ``dim`` kept as size 1.
     """
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True)  # one pass, no |x| copy
     mantissa, _ = torch.frexp(amax)  # amax = mantissa * 2^k, mantissa in [0.5, 1)
     # amax / (2 mantissa) = 2^(k-1) exactly (a correctly rounded division with a representable result)
     big = (amax >= 2) & (amax <= torch.finfo(amax.dtype).max)
@@ -360,7 +361,7 @@ def newton_schulz(G: torch.Tensor, schedule: tuple[tuple[float, float, float], .
     first divided by a power of two (:func:`pow2_downscale`) so that its norm cannot overflow:
     exact, and the identity for matrices whose entries are all below 2 in magnitude.
     """
-    X = (G * pow2_downscale(G.abs().amax(dim=(-2, -1), keepdim=True))).to(torch.bfloat16)
+    X = (G * pow2_downscale(G, (-2, -1))).to(torch.bfloat16)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
@@ -384,7 +385,7 @@ def gram_newton_schulz(G: torch.Tensor, schedule: GramSchedule | None = None) ->
     """
     sched = gram_schedule() if schedule is None else schedule
     out_dtype = G.dtype
-    down = pow2_downscale(G.abs().amax(dim=(-2, -1), keepdim=True))  # see newton_schulz
+    down = pow2_downscale(G, (-2, -1))  # see newton_schulz
     X = (G * down).to(torch.float32)
     tall = X.size(-2) > X.size(-1)
     if tall:
@@ -541,8 +542,8 @@ def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor
     dtype first, then converted to float32: the sums cannot overflow whatever the magnitude of
     the inputs, and the cosine is that of the unscaled rows (bit for bit where no row reaches 2).
     """
-    down_m = pow2_downscale(momentum.abs().amax(dim=-1, keepdim=True))
-    down_g = pow2_downscale(grad.abs().amax(dim=-1, keepdim=True))
+    down_m = pow2_downscale(momentum, -1)
+    down_g = pow2_downscale(grad, -1)
     m = (momentum * down_m).to(torch.float32)
     g = (grad * down_g).to(torch.float32)
     eps = (MAGMA_EPS * down_m.to(torch.float64) * down_g.to(torch.float64)).to(torch.float32).squeeze(-1)
