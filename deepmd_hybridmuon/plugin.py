@@ -39,6 +39,7 @@ import torch
 from . import __version__
 from .optimizer import HybridMuonOptimizer
 from .schema import HYBRID_MUON_DOC, hybrid_muon_arguments, resolve_legacy_keys
+from .state import written_by_hybridmuon
 from .validation import GROUP_KEYS
 
 __all__ = [
@@ -216,14 +217,6 @@ def _input_wins(optimizer: torch.optim.Optimizer, before: list[dict[str, Any]]) 
                 group[key] = value
 
 
-def _written_by_hybridmuon(state_dict: Any) -> bool | None:
-    """Whether a state dict has HybridMuon's param_groups (ours or the built-in's); ``None`` if it can't tell."""
-    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-    if not isinstance(groups, list) or not groups or not all(isinstance(g, dict) for g in groups):
-        return None
-    return all(set(GROUP_KEYS) <= set(g) for g in groups)
-
-
 def patch_trainer(module: Any) -> None:
     """Wrap ``module.Trainer`` so that it builds our optimizer for ``HybridMuon``. Idempotent.
 
@@ -275,7 +268,7 @@ def patch_trainer(module: Any) -> None:
         local = _local(self.optimizer)
         saved = args[0] if args else kwargs.get("optimizer_state_dict")
         ours = isinstance(local, HybridMuonOptimizer)
-        written_by_ours = _written_by_hybridmuon(saved)
+        written_by_ours = written_by_hybridmuon(saved)
         if getattr(self, "restart_training", True) and written_by_ours is not None and written_by_ours != ours:
             # --restart from a checkpoint of another optimizer type: its state cannot drive this one
             # (AdamW has no momentum_buffer, HybridMuon no betas), so the optimizer starts afresh.

@@ -21,7 +21,7 @@ import torch
 from .dtensor import is_dtensor
 from .validation import GROUP_KEYS, validate_group
 
-__all__ = ["ADAM_STATE", "MUON_STATE", "check_state_dict"]
+__all__ = ["ADAM_STATE", "MUON_STATE", "check_state_dict", "written_by_hybridmuon"]
 
 #: State of an Adam-routed parameter: all four keys, or none.
 ADAM_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "beta1_pow", "beta2_pow")
@@ -74,6 +74,18 @@ def check_state_dict(
             shown = known if len(known) <= 6 else [*known[:3], "...", *known[-2:]]
             raise ValueError(f"Invalid state key {key!r}; expected one of the saved param_groups' params {shown}")
         _check_entry(f"parameter {key!r} ({describe(p)})", entry, p)
+
+
+def written_by_hybridmuon(state_dict: Any) -> bool | None:
+    """Whether a state dict has HybridMuon's param_groups (this package's or deepmd's built-in's).
+
+    ``None`` when it cannot tell (no list of param_groups). :func:`check_state_dict` refuses a
+    ``False`` one; the plugin starts the optimizer afresh on a restart across optimizer types.
+    """
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(groups, Sequence) or not groups or not all(isinstance(g, Mapping) for g in groups):
+        return None
+    return all(set(GROUP_KEYS) <= set(g) for g in groups)
 
 
 def _check_group(index: int, saved: Any, count: int) -> None:
