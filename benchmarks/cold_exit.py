@@ -25,7 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
+    COMPILING_MARK,
     DEFAULT_CONFIG_DIR,
+    KERNELS_FROM_STEP_RE,
     NO_MULTICAST_ENV,
     command_line,
     find_dp,
@@ -36,9 +38,6 @@ from common import (
     torchrun_dp,
     utc_now,
 )
-
-READY_MARK = "Triton kernels in use from step"
-COMPILING_MARK = "variants in the background"
 
 
 def _compile_processes() -> list[str]:
@@ -84,7 +83,7 @@ def main() -> int:
         (rundir / "train.log").write_text(log)
         time.sleep(1.0)
         left = len(_compile_processes())
-        ready = READY_MARK in log
+        ready = KERNELS_FROM_STEP_RE.search(log) is not None
         started = COMPILING_MARK in log
         failures += proc.returncode != 0 or left > 0 or not started or not parse_log(log)["ours_active"]
         note = "yes" if ready else ("no (compiling at exit)" if started else "no compilation started?")

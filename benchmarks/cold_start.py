@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     DEFAULT_CONFIG_DIR,
+    KERNELS_FROM_STEP_RE,
     TIMED_DP,
     command_line,
     parse_kw,
@@ -39,9 +39,6 @@ from common import (
     utc_now,
     write_json,
 )
-
-#: The optimizer's log line once the Triton kernels run (deepmd_hybridmuon.optimizer).
-SWITCH_RE = re.compile(r"Triton kernels in use from step (\d+)")
 
 
 def one_run(cfg: dict[str, Any], rundir: Path, cache: Path, timeout: float) -> dict[str, Any]:
@@ -61,7 +58,7 @@ def one_run(cfg: dict[str, Any], rundir: Path, cache: Path, timeout: float) -> d
     compiles = times.get("_compiles", [])
     later = host[1:]
     slowest = max(range(len(later)), key=later.__getitem__) + 1 if later else None
-    switch = SWITCH_RE.search(log)
+    switch = KERNELS_FROM_STEP_RE.search(log)
     k = int(switch.group(1)) if switch else len(host)
 
     def median(values: list[float]) -> float | None:

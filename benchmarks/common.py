@@ -24,6 +24,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The shared inputs next to the checkout (CI: ../shared).
 DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "configs"
+#: The optimizer's log lines: variants compiling in the background, and the step the kernels came in.
+COMPILING_MARK = "variants in the background"
+KERNELS_FROM_STEP_RE = re.compile(r"Triton kernels in use from step (\d+)")
 #: deepmd's ``dp`` with every optimizer step timed (``timed_dp.py``).
 TIMED_DP = Path(__file__).resolve().with_name("timed_dp.py")
 #: Set to 1, this package's plugin steps aside and deepmd-kit's own HybridMuon runs.

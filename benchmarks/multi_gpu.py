@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
+    COMPILING_MARK,
     DEFAULT_CONFIG_DIR,
     NO_MULTICAST_ENV,
     TIMED_DP,
@@ -115,7 +116,7 @@ def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argpa
     out: dict[str, Any] = {"command": shlex.join(cmd), "returncode": rc, "wall_s": time.perf_counter() - t0}
     out.update(parse_log(log))
     # A compile child ran in this run (Triton's cache lacked a variant, or the ledger did not list it).
-    out["compile_child"] = "variants in the background" in log
+    out["compile_child"] = COMPILING_MARK in log
     if out["ours_active"] != (variant == "ours"):
         out["problem"] = "the plugin's log line says the wrong optimizer ran"
     if rc != 0:

@@ -28,6 +28,8 @@ log = logging.getLogger("deepmd.hybridmuon")
 
 __all__ = ["HybridMuonOptimizer"]
 
+#: The log line once a group's flat engine runs the Triton kernels (benchmarks read it).
+KERNELS_IN_USE_LOG = "Triton kernels in use from step %d of this run"
 #: Constructor keywords that are settings of the optimizer, not of a param_group.
 _OPTIMIZER_KEYS: frozenset[str] = frozenset({"flash_muon", "use_foreach", "named_parameters", "nonfinite_across_ranks"})
 #: The ways a param_group's step can run; all compute the same step. Not an option: the
@@ -49,6 +51,7 @@ _PICKLED: dict[str, Any] = {
     "_names_version": 0,
     "_state_version": 0,
     "_adam_limit_logged": False,
+    "_steps_taken": 0,
 }
 #: State tensors kept in float32 whatever the parameter dtype (torch's load_state_dict
 #: casts them to the parameter dtype; we cast them back).
@@ -435,7 +438,7 @@ class HybridMuonOptimizer(Optimizer):
             if not self._adam_limit_logged:
                 self._log_adam_limit()
             self._step_all()
-        self._steps_taken = getattr(self, "_steps_taken", 0) + 1
+        self._steps_taken += 1
         return loss
 
     def _step_all(self) -> None:
@@ -463,7 +466,7 @@ class HybridMuonOptimizer(Optimizer):
                     continue
                 if self.route_of(p, group).route == "muon":
                     continue
-                peak = float(grad.abs().max())
+                peak = float(torch.linalg.vector_norm(grad, float("inf")))
                 if peak >= F.ADAM_GRAD_LIMIT and math.isfinite(peak):
                     log.warning(
                         "step skipped: the Adam-routed parameter %s has a gradient of magnitude %.3g, at or above "
@@ -545,7 +548,7 @@ class HybridMuonOptimizer(Optimizer):
             cuda_graph=self._implementation == "engine",
         )
         if kernels_ready and engine.compiling is None:
-            log.info("Triton kernels in use from step %d of this run", getattr(self, "_steps_taken", 0))
+            log.info(KERNELS_IN_USE_LOG, self._steps_taken)
         return engine
 
     def execution_table(self) -> list[dict[str, Any]]:

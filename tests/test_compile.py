@@ -298,3 +298,16 @@ def test_the_training_process_never_compiles_from_an_empty_or_a_filled_cache(tmp
         assert compiled_here == [], compiled_here
         assert any(e[0] == "kernel" and e[2] for e in run["events"])  # the variants were loaded from the cache
     assert runs[1]["workers"] == 0  # the filled cache: no compile process was needed
+
+
+def test_the_benchmarks_read_the_log_lines_the_package_writes():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import common
+
+    from deepmd_hybridmuon.optimizer import KERNELS_IN_USE_LOG
+
+    assert common.COMPILING_MARK in K.compile.COMPILING_LOG % 3
+    assert common.KERNELS_FROM_STEP_RE.search(KERNELS_IN_USE_LOG % 7).group(1) == "7"

@@ -69,6 +69,8 @@ Key = tuple[Any, ...]
 #: variants take 7-8 s each, so one process for all of them kept the torch path for ~50 s
 #: (DPA-3, BENCHMARKS.md); each process costs a CUDA context and an import of torch.
 WORKERS = 4
+#: The log line when variants compile in the background (benchmarks read it).
+COMPILING_LOG = "Triton kernels: compiling %d variants in the background; torch kernels until then"
 #: Niceness of the compile processes (the training process's threads come first).
 NICE = 10
 
@@ -218,7 +220,6 @@ class KernelRegistry:
         self.ready: set[Key] = set()  # loaded in this process
         self.loadable: set[Key] = set()  # in the disk cache, not loaded here yet
         self.failed: set[Key] = set()
-        self.devices: dict[Key, torch.device] = {}
         self.workers: list[_Worker] = []
         self._closing_registered = False
         self.setup: threading.Thread | None = None
@@ -283,8 +284,6 @@ class KernelRegistry:
             return pending
         in_flight = {key for w in self.workers for key in w.keys}
         new = sorted(keys - self.ready - self.loadable - in_flight, key=repr)
-        for key in new:
-            self.devices[key] = device
         self._set_up_triton(device)
         cached = [key for key in new if self.ledger.has(key, device)]
         missing = [key for key in new if key not in cached]
@@ -295,7 +294,7 @@ class KernelRegistry:
             unstarted = [key for part in _shares(missing) if not self._start(part, device) for key in part]
             if len(unstarted) < len(missing):
                 log.info(
-                    "Triton kernels: compiling %d variants in the background; torch kernels until then",
+                    COMPILING_LOG,
                     len(missing) - len(unstarted),
                 )
             missing = unstarted
@@ -364,13 +363,13 @@ class KernelRegistry:
         """Make ``key`` ready in this process: from the disk cache, or compiled here with ``compile_here``."""
         self.loadable.discard(key)
         try:
-            _warm_up(key, self.devices[key])
+            _warm_up(key, _device(key))
         except Exception as err:  # a GPU or Triton without support for a kernel
             self._fail(key, str(err))
         else:
             self.ready.add(key)
             if compile_here:
-                self.ledger.add(key, self.devices[key])
+                self.ledger.add(key, _device(key))
 
     def _fail(self, key: Key, error: str) -> None:
         self.failed.add(key)
@@ -466,6 +465,11 @@ class Launch:
         compiled = self.kernel.warmup(*args, **dict(self.options), grid=(1,))
         if compiled is not None and device.type == "cuda":
             compiled.run  # noqa: B018  (loads the binary and builds or loads the launcher, as a first launch would)
+
+
+def _device(key: Key) -> torch.device:
+    """The CUDA device of a variant key (its index stands second to last, before the dtype)."""
+    return torch.device("cuda") if key[-2] is None else torch.device("cuda", key[-2])
 
 
 def _warm_up(key: Key, device: torch.device) -> None:
