@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
+from ..loop import follow_shape
 
 __all__ = ["Bucket", "Fused", "Layout", "Phased", "assign", "bucket_key", "kernel_paths", "split_views"]
 
@@ -264,10 +265,10 @@ class Layout:
     def adopt(self, state: dict, params: list[torch.Tensor], key: str, flat: torch.Tensor) -> None:
         """Copy existing state ``key`` of ``params`` into ``flat`` and make the state entries views of it."""
         for p, view in zip(params, split_views(flat, params), strict=True):
+            follow_shape(state[p], (key,), p)  # a parameter reshaped in place keeps its state, as in the loop
             old = state[p].get(key)
-            # numel: a parameter given a new shape in the same storage keeps its state, element by element
-            if isinstance(old, torch.Tensor) and old.numel() == view.numel():
-                view.copy_(old.reshape(view.shape))
+            if isinstance(old, torch.Tensor) and old.shape == view.shape:
+                view.copy_(old)
             state[p][key] = view
 
     def _build_adam(self, state: dict) -> None:
