@@ -400,6 +400,21 @@ def design_ddp_split() -> str:
     return table(head, rows) + "\n\n" + sources(["ddp_split_h200x2_2026-11-23.json"])
 
 
+def design_alignment() -> str:
+    name = "kernel_alignment_h100_2026-11-25.json"
+    rows = [
+        [
+            r["config"].removesuffix("_water"),
+            f"{r['commit']}: {r['specialised_on']}",
+            " + ".join(f"{us:.0f}" for us in r["phased_us"]),
+            f"{r['replay_gpu_ms'] * 1000:.0f}",
+        ]
+        for r in load(name)["rows"]
+    ]
+    head = ["model", "pointers specialised on", "phased kernel µs (each launch)", "whole step µs (GPU)"]
+    return table(head, rows, right=2) + "\n\n" + sources([name])
+
+
 BLOCKS = {
     "end-to-end": end_to_end,
     "time-to-accuracy": time_to_accuracy,
@@ -410,6 +425,7 @@ BLOCKS = {
     "design-phased": design_phased,
     "design-graph": design_graph,
     "design-ddp-split": design_ddp_split,
+    "design-alignment": design_alignment,
 }
 
 

@@ -211,10 +211,15 @@ def test_every_launched_kernel_is_declared_for_the_compile_process_and_specialis
     declared = {launch.kernel.fn.__name__: launch.kernel for key in KINDS for launch in K.compile._launches(key)}
     assert set(declared) == _launched_kernels()
     for name, kernel in declared.items():
-        # A value-specialised argument (alignment, an integer equal to 1 or divisible by 16)
-        # would make the engine's launch a variant the compile process never built.
+        # A value-specialised argument (an integer equal to 1 or divisible by 16, a pointer's
+        # alignment) would make the engine's launch a variant the compile process never built;
+        # only pointers to the callers' own workspaces keep their alignment (always 16 bytes,
+        # as test_kernels checks at every launch).
         loose = [p for p in kernel.params if not p.is_constexpr]
-        assert loose and all(p.do_not_specialize and p.do_not_specialize_on_alignment for p in loose), name
+        aligned = K.common.ALIGNED[name]
+        assert loose and all(p.do_not_specialize == p.do_not_specialize_on_alignment for p in loose), name
+        assert {p.name for p in loose if not p.do_not_specialize} == set(aligned), name
+        assert all(n.endswith("_ptr") and n not in ("src_ptr", "dst_ptr", "grad_ptr") for n in aligned), name
 
 
 def test_the_ledger_key_changes_with_everything_that_fixes_a_binary(monkeypatch):
@@ -243,7 +248,7 @@ def test_the_ledger_key_changes_with_everything_that_fixes_a_binary(monkeypatch)
 # A training process on a GPU, from an empty or a filled Triton cache, listening to Triton:
 # every kernel it compiles or loads, every launcher it builds with the C compiler.
 TRAINING = """
-import json, sys, time, torch
+import json, sys, threading, time, torch
 from triton import knobs
 from triton.runtime import build
 from deepmd_hybridmuon import HybridMuonOptimizer
@@ -251,11 +256,11 @@ from deepmd_hybridmuon import HybridMuonOptimizer
 events, steps = [], [0]
 def heard(*, src, cache_hit, **_):
     detail = "" if cache_hit else repr((src.signature, src.constants, src.attrs))  # what a miss was built for
-    events.append(("kernel", src.fn.__name__, cache_hit, steps[0], detail))
+    events.append(("kernel", src.fn.__name__, cache_hit, steps[0], detail, threading.current_thread().name))
 knobs.compilation.listener = heard
 original = build._build
 def counted(name, *args, **kwargs):
-    events.append(("launcher", name, False, steps[0], ""))
+    events.append(("launcher", name, False, steps[0], "", threading.current_thread().name))
     return original(name, *args, **kwargs)
 build._build = counted
 gen = torch.Generator().manual_seed(0)
@@ -294,8 +299,13 @@ def test_the_training_process_never_compiles_from_an_empty_or_a_filled_cache(tmp
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     for run in runs:
         assert run["row"] == {"kernels": "triton", "cuda_graph": True}
-        compiled_here = [e for e in run["events"] if not e[2]]  # a cache miss, or a launcher built
+        # a cache miss, or a launcher built, in the training thread
+        compiled_here = [e for e in run["events"] if not e[2] and e[5] == "MainThread"]
         assert compiled_here == [], compiled_here
+        # Off it, only the set-up thread's one-time driver module (KernelRegistry._set_up_triton),
+        # built with the C compiler on a cold cache, loaded on a warm one.
+        elsewhere = {(e[0], e[1], e[5]) for e in run["events"] if not e[2] and e[5] != "MainThread"}
+        assert elsewhere <= {("launcher", "cuda_utils", "deepmd-hybridmuon-triton-set-up")}, elsewhere
         assert any(e[0] == "kernel" and e[2] for e in run["events"])  # the variants were loaded from the cache
     assert runs[1]["workers"] == 0  # the filled cache: no compile process was needed
 

@@ -323,6 +323,49 @@ def test_gather_and_apply_match_torch_bitwise(kernels, dtype):
         assert torch.equal(p, e)  # two roundings, as torch's multiply then add: bitwise
 
 
+def _host_kernels(K):
+    """The kernels the package launches from the host (``_*_kernel`` in the kernel modules)."""
+    modules = [K.spans, K.magma, K.newton_schulz, K.panel, K.phased]
+    return {getattr(m, n) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")}
+
+
+def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_engine(kernels, monkeypatch):
+    """Every pointer a kernel is compiled to take as 16-byte aligned (``kernels.common.kernel``) is so.
+
+    An unaligned one would not be wrong, but a variant the compile process never built: a
+    compile in the training process. One engine step over every path (one program per
+    matrix, panels, phased tiles, Magma, the span kernels) records each launch's arguments.
+    """
+    import inspect
+
+    from deepmd_hybridmuon import HybridMuonOptimizer
+
+    K, device = kernels
+    launched = {}
+    kernels_launched = _host_kernels(K)
+    for kernel in kernels_launched:
+        aligned = K.common.ALIGNED[kernel.fn.__name__]
+        signature, run = inspect.signature(kernel.fn), kernel.run
+
+        def checked(*args, _aligned=aligned, _signature=signature, _run=run, _name=kernel.fn.__name__, **kw):
+            bound = _signature.bind_partial(*args, **{k: v for k, v in kw.items() if k in _signature.parameters})
+            launched[_name] = [(name, bound.arguments[name].data_ptr() % 16) for name in _aligned]
+            return _run(*args, **kw)
+
+        monkeypatch.setattr(kernel, "run", checked)
+    gen = torch.Generator().manual_seed(0)
+    # one program per matrix, a panelled long matrix, a phased one, Adam parameters at odd lengths
+    shapes = [(32, 48), (16, 2048), (136, 140), (7,), (5, 3)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    opt = HybridMuonOptimizer(params, lr=1e-3, magma_muon=True)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    opt.step()
+    assert opt.execution_table()[0]["kernels"] == "triton"
+    assert set(launched) == {kernel.fn.__name__ for kernel in kernels_launched}
+    assert all(offset == 0 for args in launched.values() for _, offset in args), launched
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_momentum_kernel_matches_the_reference(kernels, dtype):
     K, device = kernels

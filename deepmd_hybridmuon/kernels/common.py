@@ -66,23 +66,38 @@ _META_COL_STRIDE = tl.constexpr(int(MetaColumn.COL_STRIDE))
 _META_BLOCK = tl.constexpr(int(MetaColumn.BLOCK))
 
 
-def kernel(fn: Callable[..., None]) -> Any:
+#: The pointer arguments each host-launched kernel takes as 16-byte aligned (:func:`kernel`), by kernel name.
+ALIGNED: dict[str, tuple[str, ...]] = {}
+
+
+def kernel(*aligned: str) -> Callable[[Callable[..., None]], Any]:
     """``triton.jit`` for a kernel launched from the host, compiled for its argument types only.
 
     Triton specialises a launch on the values of its arguments: a pointer 16-byte aligned or
-    not, an integer equal to 1 or divisible by 16. The engine's pointers are views at offsets
-    in flat buffers and its integers are counts, so those properties differ from one model to
-    the next and from the compile process's example arguments; every difference is a variant
+    not, an integer equal to 1 or divisible by 16. The engine's pointers into its flat buffers
+    are views at offsets and its integers are counts, so those properties differ from one model
+    to the next and from the compile process's example arguments; every difference is a variant
     compiled again, seconds each, in the training process (measured: BENCHMARKS.md, cold
-    start). Switched off here for every argument that is not a ``tl.constexpr``: a variant is
-    then fixed by the argument dtypes, the constexprs and the compile options, all of which
-    the compile process reproduces (:mod:`.compile`). Little is lost: most kernels address
-    memory through offsets read at run time, which Triton cannot prove aligned anyway; the
-    momentum pass, the one plain elementwise kernel, may load without vector instructions
-    (the step times in BENCHMARKS.md are measured with this).
+    start). So no argument is specialised on its value, except the pointers named in
+    ``aligned``: workspaces and tables that every caller allocates as tensors of their own
+    (never views at an offset), hence always 16-byte aligned, as the compile process's example
+    tensors are. Their alignment is what lets Triton load the tiles of the tensor-core products
+    as vectors (without it the phased kernel took three times as long on one H100, BENCHMARKS.md). A variant is
+    then fixed by the argument dtypes, the constexprs, these alignments and the compile
+    options, all of which the compile process reproduces (:mod:`.compile`).
     """
-    values = [name for name, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
-    return triton.jit(fn, do_not_specialize=values, do_not_specialize_on_alignment=values)
+
+    def jit(fn: Callable[..., None]) -> Any:
+        values = [name for name, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)]
+        unknown = set(aligned) - set(values)
+        if unknown:
+            raise TypeError(f"{fn.__name__}: aligned names {sorted(unknown)} are not arguments of the kernel")
+        # A pointer's value specialisation is its alignment: the aligned ones keep it.
+        loose = [name for name in values if name not in aligned]
+        ALIGNED[fn.__name__] = tuple(aligned)
+        return triton.jit(fn, do_not_specialize=loose, do_not_specialize_on_alignment=loose)
+
+    return jit
 
 
 def work_dtype(use_gram: bool) -> torch.dtype:

@@ -30,7 +30,7 @@ def _downscale_exponent(amax):
     return tl.floor(tl.log2(tl.maximum(amax.to(tl.float64), 1.0)))
 
 
-@kernel
+@kernel("bounds_ptr", "partial_ptr")
 def _magma_partial_kernel(mom_ptr, grad_ptr, bounds_ptr, partial_ptr, n_chunks, BLOCK: tl.constexpr):
     """Sums of (m 2^-a)(g 2^-b), (m 2^-a)^2 and (g 2^-b)^2 over one chunk (``bounds[i]:bounds[i + 1]``), and a, b.
 
@@ -70,7 +70,7 @@ def _magma_partial_kernel(mom_ptr, grad_ptr, bounds_ptr, partial_ptr, n_chunks, 
     tl.store(partial_ptr + 4 * n_chunks + i, eb.to(tl.float32))
 
 
-@kernel
+@kernel("first_ptr", "partial_ptr")
 def _magma_finish_kernel(
     first_ptr,
     partial_ptr,

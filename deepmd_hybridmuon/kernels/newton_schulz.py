@@ -63,7 +63,7 @@ def _apply_left(work, T, rows, cols, m, n, alpha, BN: tl.constexpr):
     tl.debug_barrier()
 
 
-@kernel
+@kernel("work_ptr", "meta_ptr", "coef_ptr")
 def _newton_schulz_kernel(
     src_ptr,
     dst_ptr,

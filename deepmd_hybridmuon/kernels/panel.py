@@ -61,7 +61,7 @@ _PANEL_MATRIX = tl.constexpr(int(PanelColumn.MATRIX))
 _PANEL_FIRST_COL = tl.constexpr(int(PanelColumn.FIRST_COL))
 
 
-@kernel
+@kernel("meta_ptr", "panel_ptr", "partial_ptr")
 def _panel_gram_kernel(src_ptr, meta_ptr, panel_ptr, partial_ptr, BM: tl.constexpr, BN: tl.constexpr):
     p = tl.program_id(0)
     i = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_MATRIX)
@@ -73,7 +73,7 @@ def _panel_gram_kernel(src_ptr, meta_ptr, panel_ptr, partial_ptr, BM: tl.constex
     tl.store(partial_ptr + p * BM * BM + rows[:, None] * BM + rows[None, :], S)
 
 
-@kernel
+@kernel("first_ptr", "partial_ptr", "q_ptr", "inv_ptr", "coef_ptr")
 def _panel_reduce_kernel(
     first_ptr, partial_ptr, q_ptr, inv_ptr, coef_ptr, eps, BM: tl.constexpr,
     START: tl.constexpr, STOP: tl.constexpr, FRESH_Q: tl.constexpr, UPDATES_R: tl.constexpr,
@@ -98,7 +98,7 @@ def _panel_reduce_kernel(
     tl.store(q_ptr + i * BM * BM + tile, Q)
 
 
-@kernel
+@kernel("work_ptr", "meta_ptr", "panel_ptr", "q_ptr", "inv_ptr", "partial_ptr")
 def _panel_apply_kernel(
     src_ptr,
     work_ptr,

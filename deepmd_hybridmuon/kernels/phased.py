@@ -265,7 +265,7 @@ def _grid_barrier(counter_ptr, target):
     tl.debug_barrier()
 
 
-@kernel
+@kernel("work_ptr", "meta_ptr", "partial_ptr", "coef_ptr", "counter_ptr")
 def _phased_kernel(
     src_ptr, dst_ptr, work_ptr, meta_ptr, count, partial_ptr, coef_ptr, scale_ptr, counter_ptr, eps,
     SCHEDULE: tl.constexpr, FIRST: tl.constexpr, STOP: tl.constexpr, SYNC: tl.constexpr, GRAM: tl.constexpr,

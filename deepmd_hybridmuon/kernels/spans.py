@@ -81,7 +81,7 @@ def _span(spans_ptr, i):
     )
 
 
-@kernel
+@kernel("spans_ptr", "flat_ptr", "finite_ptr")
 def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, finite_ptr, BLOCK: tl.constexpr):
     """flat[offset:...] = tensor[first:stop] for one span; finite[span] = 1.0 if all of it is finite, else 0.0."""
     s = tl.program_id(0)
@@ -103,7 +103,7 @@ def _lerp(a, b, w):
     return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
 
 
-@kernel
+@kernel("mom_ptr", "update_ptr")
 def _momentum_kernel(grad_ptr, mom_ptr, update_ptr, ok_ptr, beta_ptr, n, BLOCK: tl.constexpr):
     """m <- lerp(m, g, ok (1 - beta)); update = lerp(g, m, beta); g is zeroed (in place) where ok is 0."""
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -120,7 +120,7 @@ def _momentum_kernel(grad_ptr, mom_ptr, update_ptr, ok_ptr, beta_ptr, n, BLOCK: 
     tl.store(update_ptr + idx, _lerp(g, m, beta), mask=mask)
 
 
-@kernel
+@kernel("addr_ptr", "spans_ptr", "delta_ptr")
 def _apply_kernel(addr_ptr, spans_ptr, delta_ptr, decay_ptr, BLOCK: tl.constexpr):
     """p[first:stop] = p * decay + delta[offset:...] for one span (two roundings, as in torch)."""
     j, first, stop, offset, d = _span(spans_ptr, tl.program_id(0))
