@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "ADAM_EPS",
     "ADAM_GRAD_LIMIT",
+    "GRAD_LIMIT",
     "GRAM_RESTART_ITERATIONS",
     "MAGMA_EMA_DECAY",
     "MAGMA_INITIAL_SCORE",
@@ -121,6 +122,12 @@ ADAM_EPS: float = 1e-20
 ADAM_GRAD_LIMIT: float = 2.0**63
 #: ``g * this`` overflows float32 exactly when ``|g| >= ADAM_GRAD_LIMIT`` (2^63 * 2^65 = 2^128).
 _ADAM_LIMIT_PROBE: float = 2.0**65
+#: Largest gradient magnitude (exclusive) of any parameter, whatever its dtype: half float32's
+#: largest number. The momentum's lerp subtracts two numbers of that size, and the flat engine
+#: orthogonalises float64 matrices in float32; either would overflow above it. A larger element
+#: skips the step like a non-finite one (:func:`finite_gate`); ``2 g`` in float32 overflows
+#: exactly from this limit on.
+GRAD_LIMIT: float = 2.0**127
 
 #: Magma (arXiv:2602.15322) temperature of the sigmoid applied to cos(m, g).
 MAGMA_TAU: float = 2.0
@@ -631,15 +638,15 @@ def adam_update_(
 def finite_gate(grads: list[torch.Tensor], adam_grads: list[torch.Tensor] = ()) -> torch.Tensor:
     """0-dim float32 tensor: 1.0 if the step can be taken, else 0.0.
 
-    It can when every element of every gradient is finite and every element of the Adam-routed
-    ``adam_grads`` (which need not be repeated in ``grads``) is below :data:`ADAM_GRAD_LIMIT` in
-    magnitude. ``g * 0`` is 0 for every finite element and NaN for an infinite or NaN one, and a
-    sum keeps a NaN: two passes over ``g`` (``isfinite(g).all()`` takes five kernels), and no
-    overflow, since only zeros are added. An Adam gradient is multiplied by a power of two that
-    overflows float32 exactly from the limit on, first.
+    It can when every element of every gradient is finite and below :data:`GRAD_LIMIT` in
+    magnitude, and every element of the Adam-routed ``adam_grads`` (which need not be repeated in
+    ``grads``) is below :data:`ADAM_GRAD_LIMIT`. ``2 g * 0`` in float32 is 0
+    for every element below the limit and NaN for a larger, infinite or NaN one, and a sum keeps a
+    NaN (``isfinite(g).all()`` takes five kernels); no overflow, since only zeros are added. An Adam
+    gradient is multiplied by a power of two that overflows float32 exactly from its limit on.
     """
     device = (grads or adam_grads)[0].device
-    zeros = [(g * 0).sum().to(device=device, dtype=torch.float32) for g in grads]
+    zeros = [(g.to(torch.float32) * 2 * 0).sum().to(device) for g in grads]
     zeros += [(g.to(torch.float32) * _ADAM_LIMIT_PROBE * 0).sum().to(device) for g in adam_grads]
     total = zeros[0] if len(zeros) == 1 else torch.stack(zeros).sum()
     return (total == 0).to(torch.float32)

@@ -20,6 +20,7 @@ import torch
 from conftest import make_optimizer, use_implementation
 
 from deepmd_hybridmuon import HybridMuonOptimizer
+from deepmd_hybridmuon import functional as F
 
 IMPLEMENTATIONS = ["engine", "loop"]
 
@@ -48,7 +49,8 @@ def _one_step(implementation: str, dtype: torch.dtype, scale: float | None) -> t
 
 
 #: float16 has no row: its largest number (65504) squares and sums in float32 without overflow.
-HUGE = [(dtype, scale) for dtype in (torch.float32, torch.bfloat16) for scale in (1e20, 1e30, None)]
+#: The largest gradients (the dtype's largest number) have their own test below.
+HUGE = [(dtype, scale) for dtype in (torch.float32, torch.bfloat16) for scale in (1e20, 1e30)]
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -71,6 +73,34 @@ def test_huge_finite_gradient_steps_muon_as_a_small_one(implementation, dtype, s
     scores = [e["magma_score"] for e in opt.state.values()]
     # the first score from 0.5: 0.9 * 0.5 + 0.1 * raw, raw in [0, 1] (NaN before the fix)
     assert all(((s >= 0.45) & (s <= 0.55)).all() for s in scores)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_muon_gradient_at_half_float32s_largest_number_skips_the_step(implementation, dtype):
+    """|g| >= 2^127, in any dtype: the momentum's lerp of two such numbers would overflow.
+
+    Two steps of float32's largest gradients (of opposite signs in places: the lerp's
+    difference) would leave an infinite momentum; each such step is skipped like a non-finite
+    one, and gradients of half the limit step, leaving everything finite.
+    """
+    params, grads = _muon_model(dtype, float(torch.finfo(torch.float32).max))
+    before = [p.detach().clone() for p in params]
+    opt = make_optimizer(params, implementation, lr=0.5, magma_muon=True, muon_mode="slice")
+    for sign in (1, -1):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = sign * g
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    below = F.GRAD_LIMIT / 2  # exact in every dtype (bfloat16 rounds the numbers next to the limit up to it)
+    for sign in (1, -1):
+        for p in params:
+            g = torch.randn(p.shape, dtype=torch.float64)
+            p.grad = sign * (g / g.abs().max() * below).to(dtype)
+        opt.step()
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(torch.isfinite(v).all() for e in opt.state.values() for v in e.values() if torch.is_tensor(v))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

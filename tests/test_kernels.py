@@ -314,6 +314,13 @@ def test_gather_and_apply_match_torch_bitwise(kernels, dtype):
     grads[0][4] = float("nan")
     K.gather(addresses, spans, flat, finite)
     assert finite.tolist() == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    # An element at half its compute dtype's largest number stops the step too (functional.finite_gate).
+    limit = torch.tensor(F.GRAD_LIMIT, dtype=torch.float32)
+    below = torch.nextafter(limit, torch.zeros(()))  # float32's: a float64 one above it rounds to the limit
+    grads[0][4], grads[2][K.SPAN + 1] = 1.0, 1.0
+    grads[3][0], grads[1][0] = -limit.to(dtype), below.to(dtype)
+    K.gather(addresses, spans, flat, finite)
+    assert finite.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
 
     decays = torch.tensor([1.0, 0.999, 0.5], dtype=dtype, device=device)
     delta = torch.randn(sum(sizes), generator=gen, dtype=dtype).to(device)
@@ -364,6 +371,34 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
     assert opt.execution_table()[0]["kernels"] == "triton"
     assert set(launched) == {kernel.fn.__name__ for kernel in kernels_launched}
     assert all(offset == 0 for args in launched.values() for _, offset in args), launched
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e30, None], ids=["1e20", "1e30", "max"])
+def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_the_kernels(kernels, scale):
+    """A Muon gradient whose squares overflow float32 never writes a non-finite value (every kernel path).
+
+    The torch path scales such a matrix by a power of two and steps as for a small gradient
+    (test_hostile.py). The Triton kernels normalise in float32 unscaled: the matrix whose sum of
+    squares overflows gets a zero update for that step (its panel path gave NaN before).
+    """
+    from deepmd_hybridmuon import HybridMuonOptimizer
+
+    _, device = kernels
+    gen = torch.Generator().manual_seed(0)
+    # one program per matrix, a panelled long matrix, a phased one; the Adam vector gets a small gradient
+    shapes = [(32, 48), (16, 2048), (136, 140), (7,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    opt = HybridMuonOptimizer(params, lr=0.5, magma_muon=True)
+    top = float(torch.finfo(torch.float32).max) if scale is None else scale
+    for _ in range(2):  # the second step from state written by the first
+        for p in params:
+            g = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            p.grad = (g / g.abs().max() * (top if p.dim() == 2 else 1.0)).float().to(device)
+        opt.step()
+    assert opt.execution_table()[0]["kernels"] == "triton"
+    assert all(torch.isfinite(p).all() for p in params)
+    for entry in opt.state.values():
+        assert all(torch.isfinite(v).all() for v in entry.values() if torch.is_tensor(v))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -88,9 +88,11 @@ def _panel_reduce_kernel(
     eye = (rows[:, None] == rows[None, :]).to(tl.float32)
     Q = eye.to(tl.float16)
     if START == 0:
-        inv = 1.0 / (tl.sqrt(tl.sum(acc * eye)) + eps)  # ||G|| = sqrt(trace(G G^T))
+        inv = 1.0 / (tl.sqrt(tl.sum(tl.where(eye > 0, acc, 0.0))) + eps)  # ||G|| = sqrt(trace(G G^T))
         tl.store(inv_ptr + i, inv)
-        R = (acc * inv * inv).to(tl.float16)
+        # A sum of squares beyond float32 (entries above ~1e19) gives inv 0: X = 0, as the other
+        # kernels give, and R = 0 rather than inf * 0.
+        R = tl.where(inv > 0, acc * inv * inv, 0.0).to(tl.float16)
     else:  # a restart: the partial sums are those of X X^T
         R = acc.to(tl.float16)
     for k in tl.static_range(START, STOP):

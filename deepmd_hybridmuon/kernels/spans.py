@@ -83,7 +83,11 @@ def _span(spans_ptr, i):
 
 @kernel("spans_ptr", "flat_ptr", "finite_ptr")
 def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, finite_ptr, BLOCK: tl.constexpr):
-    """flat[offset:...] = tensor[first:stop] for one span; finite[span] = 1.0 if all of it is finite, else 0.0."""
+    """flat[offset:...] = tensor[first:stop] for one span; finite[span] = 1.0 if the step can take it, else 0.0.
+
+    It can when every element is finite and below ``functional.GRAD_LIMIT`` (``2 x`` in float32
+    overflows from there on, as in ``functional.finite_gate``).
+    """
     s = tl.program_id(0)
     j, first, stop, offset, _ = _span(spans_ptr, s)
     src = tl.load(addr_ptr + j).to(tl.pointer_type(flat_ptr.dtype.element_ty))
@@ -92,7 +96,8 @@ def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, finite_ptr, BLOCK: tl.constexp
         idx = e + tl.arange(0, BLOCK)
         mask = idx < stop
         x = tl.load(src + idx, mask=mask, other=0.0)
-        bad = tl.maximum(bad, ((x - x) != 0).to(tl.int32))  # x - x is NaN for an infinite or NaN x
+        y = x.to(tl.float32) * 2.0
+        bad = tl.maximum(bad, ((y - y) != 0).to(tl.int32))  # y - y is NaN for an infinite or NaN y
         tl.store(flat_ptr + offset - first + idx, x, mask=mask)
     tl.store(finite_ptr + s, 1.0 - tl.max(bad, axis=0).to(tl.float32))
 
