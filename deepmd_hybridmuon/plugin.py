@@ -39,7 +39,7 @@ import torch
 from . import __version__
 from .optimizer import HybridMuonOptimizer
 from .schema import HYBRID_MUON_DOC, hybrid_muon_arguments, resolve_legacy_keys
-from .state import written_by_hybridmuon
+from .state import check_state_dict, written_by_hybridmuon
 from .validation import GROUP_KEYS
 
 __all__ = [
@@ -281,6 +281,10 @@ def patch_trainer(module: Any) -> None:
             return None
         if not ours:
             return load(self, *args, **kwargs)
+        if local is not self.optimizer and saved is not None and getattr(self, "restart_training", True):
+            # ZeRO-1 copies the state into this rank's optimizer itself, past our load_state_dict's
+            # checks: the same checks first, against every parameter (ZeRO's own param_groups).
+            check_state_dict(saved, self.optimizer.param_groups, local._describe)
         before = [{k: g[k] for k in GROUP_KEYS if k != "lr"} for g in local.param_groups]
         load(self, *args, **kwargs)
         _input_wins(local, before)

@@ -284,7 +284,46 @@ def _scenario_zero(rank: int, outdir: str) -> None:
             zero.step()
         results[f"{label}_end"] = _snapshot(named)
         results[f"{label}_owned"] = [n for n, p in named if p in zero.optim.state]
+    results["restart_refused"] = _zero_restart_refused()
     _save(outdir, "zero", rank, results)
+
+
+def _zero_restart_refused() -> list[str]:
+    """``dp --pt train --restart`` at ``zero_stage`` 1 (our wrapper of deepmd's ``_load_optimizer_state``).
+
+    ZeroRedundancyOptimizer copies each state entry into the local optimizer itself, past its
+    ``load_state_dict``. A checkpoint with a group value the constructor refuses, or state of the
+    wrong shape, must be refused before anything changes: the messages, and whether the local
+    optimizer's state stayed empty.
+    """
+    import types
+
+    import deepmd.backend  # noqa: F401  (loads our "deepmd.backend" entry point, as `dp` does)
+    from deepmd.pt.train import training
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    named = list(_Net().named_parameters())
+    single = HybridMuonOptimizer([p for _, p in named], lr=LR)
+    set_grads([p for _, p in named], _full_grads(named, 0))
+    single.step()
+    good = single.state_dict()
+    bad_group = copy.deepcopy(good)
+    bad_group["param_groups"][0]["momentum"] = 1.5
+    bad_shape = copy.deepcopy(good)
+    entry = next(e for e in bad_shape["state"].values() if "momentum_buffer" in e)
+    entry["momentum_buffer"] = torch.zeros(3)
+    messages = []
+    for bad in (bad_group, bad_shape):
+        zero = ZeroRedundancyOptimizer([p for _, p in named], optimizer_class=HybridMuonOptimizer, lr=LR)
+        trainer = training.Trainer.__new__(training.Trainer)
+        trainer.optimizer, trainer.restart_training = zero, True
+        trainer.sharding = types.SimpleNamespace(stage=1, shards_parameters=False)
+        try:
+            trainer._load_optimizer_state(bad)
+            messages.append("loaded")
+        except ValueError as err:
+            messages.append(f"{err} | state left empty: {len(zero.optim.state) == 0}")
+    return messages
 
 
 def _shard_grads(named: list[tuple[str, torch.Tensor]], grads: list[torch.Tensor]) -> None:
@@ -792,6 +831,14 @@ def test_zero1_accepts_deepmd_trainer_kwargs(run: _Run) -> None:
     """ZeRO-1 built as deepmd's trainer builds it (flash_muon=..., use_foreach=... keywords)."""
     error = run.result("zero", 0)["trainer_kwargs_error"]
     assert error is None, error
+
+
+def test_zero1_restart_checks_the_checkpoint_before_anything_changes(run: _Run) -> None:
+    """ZeRO-1 writes the state into each rank's optimizer itself: the plugin checks it first."""
+    for rank in (0, 1):
+        group, shape = run.result("zero", rank)["restart_refused"]
+        assert "momentum" in group and "1.5" in group and group.endswith("state left empty: True"), group
+        assert "momentum_buffer" in shape and shape.endswith("state left empty: True"), shape
 
 
 def test_zero1_nan_skips_the_whole_step(run: _Run) -> None:
