@@ -79,7 +79,7 @@ def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
         opt.step()
         host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
-        engine = opt._engines.get(0)
+        engine = opt._runners.get(0)
         if i >= 10 and engine is not None and engine.executor.graph is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -89,7 +89,7 @@ def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
             replay.append(start.elapsed_time(end))
     replay_ms = f"{statistics.median(replay):.3f}" if replay else "n/a (no graph)"
     line = f"graph on: host time of step() {statistics.median(host[10:]):.3f} ms, one replay {replay_ms} ms (GPU)"
-    engine, group = opt._engines.get(0), opt.param_groups[0]
+    engine, group = opt._runners.get(0), opt.param_groups[0]
     if engine is None or engine.executor.graph is None:
         return line + "\n"
     parts: dict[str, list[float]] = {"signature": [], "stage": [], "replay (host)": []}

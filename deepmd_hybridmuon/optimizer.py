@@ -250,7 +250,8 @@ class HybridMuonOptimizer(Optimizer):
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
         self._adam_limit_logged = False  # _log_adam_limit's one line was written
-        self._engines: dict[int, GroupEngine] = {}
+        # One runner per param_group (its engine, or its FSDP2 plan), each rebuilt by its own rule.
+        self._runners: dict[int, GroupEngine | distributed.FsdpGroup] = {}
         self._steps_taken = 0  # by this object (the log says from which step the Triton kernels run)
         super().__init__(params, defaults)
         if named_parameters is not None:
@@ -379,7 +380,7 @@ class HybridMuonOptimizer(Optimizer):
         self.defaults.pop("differentiable", None)
         for key, default in _PICKLED.items():
             setattr(self, key, settings.get(key, getattr(self, key, default)))
-        self._engines = {}  # rebuilt at the next step
+        self._runners = {}  # rebuilt at the next step
         if names is not None:
             params = [p for group in self.param_groups for p in group["params"]]
             self._param_names = {id(p): name for p, name in zip(params, names, strict=True) if name is not None}
@@ -445,13 +446,24 @@ class HybridMuonOptimizer(Optimizer):
         shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
         for index, group in enumerate(self.param_groups):
             if any(distributed.is_dtensor(p) for p in group["params"]):
-                distributed.step_group(self, index, group, shared)  # FSDP2: the owner computes
+                self._fsdp_group(index).step(self._context(), group, shared)  # FSDP2: the owner computes
                 continue
             engine = self._engine(index, group)
             if engine is None:
                 loop.step_group(self.state, group, self.route_of, shared)
             else:
                 engine.step(group, shared)
+
+    def _fsdp_group(self, index: int) -> distributed.FsdpGroup:
+        """The FSDP2 runner of param_group ``index`` (it rebuilds its plan when needed)."""
+        runner = self._runners.get(index)
+        if not isinstance(runner, distributed.FsdpGroup):
+            runner = self._runners[index] = distributed.FsdpGroup()
+        return runner
+
+    def _context(self) -> distributed.Context:
+        """What the FSDP2 step reads of this optimizer."""
+        return distributed.Context(self.state, self.route_of, self.param_name, self._names_version, self.flash_muon)
 
     def _log_adam_limit(self) -> None:
         """One log line, the first time a step is skipped for an Adam gradient above ``ADAM_GRAD_LIMIT``.
@@ -531,14 +543,15 @@ class HybridMuonOptimizer(Optimizer):
             raise ValueError(f"Invalid _implementation: {self._implementation!r}; expected one of {IMPLEMENTATIONS}")
         if self._implementation == "loop":
             return None
-        engine = self._engines.get(index)
+        engine = self._runners.get(index)
+        engine = engine if isinstance(engine, GroupEngine) else None
         signature = self._engine_signature(group)
         if engine is not None and engine.signature == signature and engine.matches(group) and not engine.outdated:
             return engine
         if not GroupEngine.supports(group):
             return None
         kernels_ready = engine is not None and engine.outdated
-        engine = self._engines[index] = GroupEngine(
+        engine = self._runners[index] = GroupEngine(
             group,
             [self.route_of(p, group) for p in group["params"]],
             self.state,
@@ -568,10 +581,10 @@ class HybridMuonOptimizer(Optimizer):
         """
         rows = []
         for index, group in enumerate(self.param_groups):
+            runner = self._runners.get(index)
             if any(distributed.is_dtensor(p) for p in group["params"]):
-                rows.append(distributed.fsdp_summary(self, index))
+                rows.append(self._fsdp_group(index).summary())
                 continue
-            engine = self._engines.get(index)
-            fresh = engine is not None and engine.signature == self._engine_signature(group)
-            rows.append(engine.summary() if fresh else {"implementation": "loop"})
+            fresh = isinstance(runner, GroupEngine) and runner.signature == self._engine_signature(group)
+            rows.append(runner.summary() if fresh else {"implementation": "loop"})
         return rows

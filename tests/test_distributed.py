@@ -533,7 +533,8 @@ def _scenario_owner(rank: int, outdir: str) -> None:
                     results[f"{label}/{copies}/moved_in_nan_step"] = [
                         n for n in before if not torch.equal(before[n], after[n])
                     ]
-            plan, ex, _, _ = D.plan_of(opt, 0, opt.param_groups[0])
+            runner = opt._runners[0]  # the group's FSDP2 runner: its plan and this rank's exchange
+            plan, ex = runner.plan, runner.exchange
             key = f"{label}/{copies}"
             results[f"{key}/plans"] = gathered(repr(plan))
             results[f"{key}/traces"] = gathered(traces)

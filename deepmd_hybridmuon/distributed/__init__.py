@@ -21,25 +21,23 @@ is skipped because of local data (that would deadlock).
 """
 
 from ..dtensor import is_dtensor, local_shard
-from .fsdp import from_owners, plan_of, step_group, to_owners
-from .fsdp import summary_of as fsdp_summary
+from .fsdp import Context, FsdpGroup, from_owners, to_owners
 from .local import SEGMENT_BLOCK, OwnedKernels
 from .plan import ParamLayout, Plan, build_plan, chunk_rows, ns_cost, trace_collectives
 
 __all__ = [
     "SEGMENT_BLOCK",
+    "Context",
+    "FsdpGroup",
     "OwnedKernels",
     "ParamLayout",
     "Plan",
     "build_plan",
     "chunk_rows",
     "from_owners",
-    "fsdp_summary",
     "is_dtensor",
     "local_shard",
     "ns_cost",
-    "plan_of",
-    "step_group",
     "to_owners",
     "trace_collectives",
 ]

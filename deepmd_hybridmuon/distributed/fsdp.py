@@ -41,15 +41,14 @@ must be the same on every rank, as FSDP2's own reduce-scatter requires.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from . import local
 from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan
-
-if TYPE_CHECKING:
-    from ..optimizer import HybridMuonOptimizer
 
 
 class _Exchange:
@@ -204,58 +203,82 @@ def _mesh_of(params: list[torch.Tensor]) -> tuple[Any, int]:
     return mesh, dim
 
 
-class _Cache:
-    """A group's plan and exchange, rebuilt when the active parameters or routing change."""
+@dataclass(frozen=True)
+class Context:
+    """What an FSDP2 step reads of the optimizer, handed to it each step (never the optimizer itself).
 
-    def __init__(self, key: tuple, plan: Plan, exchange: _Exchange) -> None:
-        self.key, self.plan, self.exchange = key, plan, exchange
-
-
-def plan_of(opt: HybridMuonOptimizer, index: int, group: dict[str, Any]) -> tuple[Plan, _Exchange, Any, int]:
-    """The (cached) plan of param_group ``index``, this rank's exchange, the mesh and its sharded dimension."""
-    params = [p for p in group["params"] if p.numel() > 0]
-    mesh, dim = _mesh_of(params) if params else (None, 0)
-    active = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None and p.numel() > 0]
-    world = mesh.size(dim) if mesh is not None else 1
-    rank = mesh.get_local_rank(dim) if mesh is not None else 0
-    key = (tuple(id(p) for _, p in active), opt._names_version, group["muon_mode"], world, rank, opt.flash_muon)
-    caches: dict[int, _Cache] = opt.__dict__.setdefault("_fsdp_plans", {})
-    cache = caches.get(index)
-    if cache is None or cache.key != key:
-        plan = build_plan([(i, tuple(p.shape), opt.route_of(p, group)) for i, p in active], world)
-        for layout, (_, p) in zip(plan.params, active, strict=True):
-            lo, hi = layout.ranges[rank]
-            shard = p.to_local()
-            if p.dim() == 0 or tuple(shard.shape) != (hi - lo, *layout.shape[1:]):
-                raise NotImplementedError(
-                    f"FSDP2 shard of parameter {opt.param_name(p) or layout.index} (shape {layout.shape}) has local "
-                    f"shape {tuple(shard.shape)} on shard rank {rank}; HybridMuon expects torch.chunk's rows "
-                    f"{lo}..{hi} of dim 0"
-                )
-        device = torch.device(mesh.device_type) if mesh is not None else torch.device("cpu")
-        cache = caches[index] = _Cache(key, plan, _Exchange(plan, rank, device, opt.flash_muon))
-    return cache.plan, cache.exchange, mesh, dim
-
-
-def summary_of(opt: HybridMuonOptimizer, index: int) -> dict[str, Any]:
-    """The ``execution_table`` row of FSDP2 param_group ``index``: its owners' Newton–Schulz on this rank."""
-    cache = opt.__dict__.get("_fsdp_plans", {}).get(index)
-    if cache is None:
-        return {"implementation": "fsdp2", "kernels": "torch", "torch_matrices": []}
-    return {"implementation": "fsdp2", **local.kernels_summary(cache.exchange.kernels, cache.exchange.groups)}
-
-
-def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
-    """One step of a param_group of FSDP2 DTensor parameters (see the module docstring).
-
-    ``shared``: the finite flag already agreed across ranks (``nonfinite_across_ranks``),
-    combined with this group's gate.
+    ``state``: the optimizer's per-parameter state; ``route_of(p, group)`` and ``param_name(p)``:
+    its routing and naming; ``names_version``: changes when the names (hence routes) change;
+    ``flash_muon``: whether the owners may run the Triton kernels.
     """
+
+    state: dict
+    route_of: Callable[[torch.Tensor, dict[str, Any]], Any]
+    param_name: Callable[[torch.Tensor], str | None]
+    names_version: int
+    flash_muon: bool
+
+
+class FsdpGroup:
+    """The runner of one param_group of FSDP2 DTensors: its plan and this rank's exchange.
+
+    Rebuilt by one rule: when the key of :meth:`prepare` changes (the active parameters, the
+    names' version, ``muon_mode``, the shard mesh's size and this rank's place in it, the kernel
+    flag). ``plan`` and ``exchange`` are those of the last step (``None`` before it).
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.plan: Plan | None = None
+        self.exchange: _Exchange | None = None
+
+    def prepare(self, ctx: Context, group: dict[str, Any]) -> tuple[Any, int]:
+        """Bring ``plan`` and ``exchange`` up to date for ``group``; return the mesh and its sharded dimension."""
+        params = [p for p in group["params"] if p.numel() > 0]
+        mesh, dim = _mesh_of(params) if params else (None, 0)
+        active = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None and p.numel() > 0]
+        world = mesh.size(dim) if mesh is not None else 1
+        rank = mesh.get_local_rank(dim) if mesh is not None else 0
+        key = (tuple(id(p) for _, p in active), ctx.names_version, group["muon_mode"], world, rank, ctx.flash_muon)
+        if key != self.key:
+            plan = build_plan([(i, tuple(p.shape), ctx.route_of(p, group)) for i, p in active], world)
+            for layout, (_, p) in zip(plan.params, active, strict=True):
+                lo, hi = layout.ranges[rank]
+                shard = p.to_local()
+                if p.dim() == 0 or tuple(shard.shape) != (hi - lo, *layout.shape[1:]):
+                    raise NotImplementedError(
+                        f"FSDP2 shard of parameter {ctx.param_name(p) or layout.index} (shape {layout.shape}) has "
+                        f"local shape {tuple(shard.shape)} on shard rank {rank}; HybridMuon expects torch.chunk's "
+                        f"rows {lo}..{hi} of dim 0"
+                    )
+            device = torch.device(mesh.device_type) if mesh is not None else torch.device("cpu")
+            self.key, self.plan, self.exchange = key, plan, _Exchange(plan, rank, device, ctx.flash_muon)
+        return mesh, dim
+
+    def summary(self) -> dict[str, Any]:
+        """The ``execution_table`` row: its owners' Newton–Schulz on this rank."""
+        if self.exchange is None:
+            return {"implementation": "fsdp2", "kernels": "torch", "torch_matrices": []}
+        return {"implementation": "fsdp2", **local.kernels_summary(self.exchange.kernels, self.exchange.groups)}
+
+    def step(self, ctx: Context, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
+        """One step of the group (see the module docstring).
+
+        ``shared``: the finite flag already agreed across ranks (``nonfinite_across_ranks``),
+        combined with this group's gate.
+        """
+        mesh, shard_dim = self.prepare(ctx, group)
+        if mesh is None:
+            return  # only size-0 parameters: nothing to shard, nothing to step
+        _step(ctx.state, group, self.plan, self.exchange, mesh, shard_dim, shared)
+
+
+def _step(
+    states: dict, group: dict[str, Any], plan: Plan, ex: _Exchange, mesh: Any, shard_dim: int, shared: Any
+) -> None:
+    """The collectives and arithmetic of :meth:`FsdpGroup.step` (``states``: the optimizer's per-parameter state)."""
     import torch.distributed as dist
 
-    plan, ex, mesh, shard_dim = plan_of(opt, index, group)
-    if mesh is None:
-        return  # only size-0 parameters: nothing to shard, nothing to step
     device = torch.device(mesh.device_type)
     pg = mesh.get_group(shard_dim)
 
@@ -267,7 +290,7 @@ def step_group(opt: HybridMuonOptimizer, index: int, group: dict[str, Any], shar
         _collective("all_reduce", (sums.numel(),), dist.all_reduce, sums, op=dist.ReduceOp.SUM, group=pg)
 
     # 1-2. The gate, Adam routes, momentum, decay and Magma: elementwise on the local shards.
-    settings, ok, muon = local.local_elementwise(opt, group, plan, device, shared, agree, ex.segments, reduce)
+    settings, ok, muon = local.local_elementwise(states, group, plan, device, shared, agree, ex.segments, reduce)
     if muon is None:
         return
     # 3. Newton–Schulz on the owners: the shards travel there and the updates back.

@@ -8,7 +8,7 @@ one flat concatenation; the owners' Newton–Schulz runs stacked by shape.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -19,9 +19,6 @@ from ..dtensor import is_dtensor, local_shard
 from ..engine import compilation
 from ..engine.layout import assign, build_fused, build_phased, run_phased
 from .plan import Plan, _ShapeGroup
-
-if TYPE_CHECKING:
-    from ..optimizer import HybridMuonOptimizer
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -99,9 +96,7 @@ class _Inputs:
         self.settings, self.buckets, self.muon, self.muon_grad, self.ok = settings, buckets, muon, muon_grad, ok
 
 
-def _local_inputs(
-    opt: HybridMuonOptimizer, group: dict[str, Any], plan: Plan, grads: dict, device: torch.device
-) -> _Inputs:
+def _local_inputs(states: dict, group: dict[str, Any], plan: Plan, grads: dict, device: torch.device) -> _Inputs:
     """The step's inputs on this rank's local tensors (``plan.params`` are the group's active parameters).
 
     Advances the Adam step of the Adam-routed parameters and buckets them (dtype, bias
@@ -115,7 +110,7 @@ def _local_inputs(
         if layout.route == "muon":
             continue
         p = group["params"][layout.index]
-        state = loop.advance_adam_state(opt.state, p, settings)
+        state = loop.advance_adam_state(states, p, settings)
         decay = settings.adam_decay(layout.route)
         key = (p.dtype, p.device, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
         if key not in by_key:
@@ -132,9 +127,7 @@ def _local_inputs(
     return _Inputs(settings, buckets, muon, muon_grad, ok)
 
 
-def _local_adam(
-    opt: HybridMuonOptimizer, settings: F.GroupSettings, buckets: list[_AdamBucket], ok: torch.Tensor
-) -> None:
+def _local_adam(states: dict, settings: F.GroupSettings, buckets: list[_AdamBucket], ok: torch.Tensor) -> None:
     """The Adam and AdamW routes in their buckets (:func:`_local_inputs`): one flat chain per bucket.
 
     Elementwise kernels give the same bits on a concatenation, so this matches the loop bitwise.
@@ -143,8 +136,8 @@ def _local_adam(
         assert b.grad is not None  # _flat_grads ran
         locals_ = [local_shard(p) for p in b.params]
         moments = (
-            [loop.local_state(opt.state, p, "exp_avg") for p in b.params],
-            [loop.local_state(opt.state, p, "exp_avg_sq") for p in b.params],
+            [loop.local_state(states, p, "exp_avg") for p in b.params],
+            [loop.local_state(states, p, "exp_avg_sq") for p in b.params],
         )
         flat_p, flat_m, flat_v = _flat(locals_), _flat(moments[0]), _flat(moments[1])
         F.adam_update_(
@@ -166,7 +159,7 @@ def _local_adam(
 
 
 def _local_muon(
-    opt: HybridMuonOptimizer,
+    states: dict,
     settings: F.GroupSettings,
     plan: Plan,
     muon: list[torch.Tensor],
@@ -191,10 +184,10 @@ def _local_muon(
             "HybridMuon needs one parameter dtype and one gradient dtype per group there"
         )
     for p in muon:
-        state = opt.state[p]
+        state = states[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grads[id(p)])  # a DTensor for a DTensor p
-    bufs = [loop.local_state(opt.state, p, "momentum_buffer") for p in muon]
+    bufs = [loop.local_state(states, p, "momentum_buffer") for p in muon]
     work = bufs[0].dtype
     locals_ = [local_shard(p) for p in muon]
     flat_p = _flat(locals_)
@@ -209,7 +202,7 @@ def _local_muon(
 
     scores = []
     for layout, p in zip(plan.muon, muon, strict=True):
-        state = opt.state[p]
+        state = states[p]
         score = state.get("magma_score")
         if is_dtensor(score):
             score = state["magma_score"] = score.full_tensor()
@@ -237,7 +230,7 @@ def _local_muon(
 
 
 def local_elementwise(
-    opt: HybridMuonOptimizer,
+    states: dict,
     group: dict[str, Any],
     plan: Plan,
     device: torch.device,
@@ -255,13 +248,13 @@ def local_elementwise(
     """
     active = [group["params"][layout.index] for layout in plan.params]
     grads = {id(p): loop.grad_of(p) for p in active}
-    inputs = _local_inputs(opt, group, plan, grads, device)
+    inputs = _local_inputs(states, group, plan, grads, device)
     ok = inputs.ok if shared is None else torch.minimum(inputs.ok, shared.to(device))
     agree(ok)
-    _local_adam(opt, inputs.settings, inputs.buckets, ok)
+    _local_adam(states, inputs.settings, inputs.buckets, ok)
     if inputs.muon_grad is None:
         return inputs.settings, ok, None
-    muon = _local_muon(opt, inputs.settings, plan, inputs.muon, grads, inputs.muon_grad, ok, segments, reduce)
+    muon = _local_muon(states, inputs.settings, plan, inputs.muon, grads, inputs.muon_grad, ok, segments, reduce)
     return inputs.settings, ok, muon
 
 

@@ -90,7 +90,7 @@ class GroupEngine:
             return False
         first = params[0]
         if any(is_dtensor(p) for p in params):
-            return False  # FSDP2 shards: distributed.step_group handles them
+            return False  # FSDP2 shards: distributed.FsdpGroup steps them
         return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
 
     def matches(self, group: dict[str, Any]) -> bool:
