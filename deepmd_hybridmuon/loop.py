@@ -3,9 +3,9 @@
 One parameter at a time, in the order of the algorithm written out in
 :class:`~deepmd_hybridmuon.HybridMuonOptimizer`'s docstring, with the rules of
 :mod:`.functional`. The flat engine (:mod:`.engine`) and the distributed steps
-(:mod:`.distributed`) compute the same step and are tested against this one. The state
-helpers (:func:`grad_of`, :func:`local_state`, :func:`advance_adam_state`) are shared with
-:mod:`.distributed`, whose shards keep the same state layout.
+(:mod:`.distributed`) compute the same step and are tested against this one. The state is
+created by :mod:`.state` (the same functions for every implementation); :func:`grad_of` is
+shared with :mod:`.distributed`.
 
 ``state`` is the optimizer's ``state`` (parameter -> dict, created on first use), in
 deepmd-kit 3.2.0's layout: ``exp_avg``, ``exp_avg_sq`` (float32), ``beta1_pow``,
@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from . import functional as F
-from .dtensor import is_dtensor, local_shard
+from .dtensor import is_dtensor
+from .state import advance_adam_state, follow_shape
 
-__all__ = ["advance_adam_state", "advance_powers", "follow_shape", "grad_of", "local_state", "step_group"]
+__all__ = ["grad_of", "step_group"]
 
 #: (parameter, gradient, (batch, rows, cols) view, finite gate on the parameter's device)
 MuonEntry = tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], torch.Tensor]
@@ -69,54 +70,6 @@ def grad_of(p: torch.Tensor) -> torch.Tensor:
         if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
             grad = grad.redistribute(p.device_mesh, p.placements)
     return grad
-
-
-def local_state(state: dict, p: torch.Tensor, key: str) -> torch.Tensor:
-    """The local shard of the parameter-shaped state ``key`` of ``p`` (the tensor itself if not sharded).
-
-    A full tensor under a DTensor parameter (a single-process checkpoint loaded with
-    ``load_state_dict`` under FSDP2) is sharded like the parameter first.
-    """
-    entry = state[p]
-    value = entry[key]
-    if is_dtensor(p) and not is_dtensor(value) and value.shape == p.shape:
-        from torch.distributed.tensor import distribute_tensor
-
-        value = entry[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
-    return local_shard(value)
-
-
-def follow_shape(entry: dict[str, Any], keys: tuple[str, ...], p: torch.Tensor) -> None:
-    """Give the parameter-shaped state ``keys`` of ``entry`` the shape of ``p`` if it changed in place.
-
-    ``p.data = p.data.view(...)`` keeps the storage and the order of the elements: each element
-    keeps its momentum and moments. (Not for sharded parameters, whose state FSDP2 lays out.)
-    """
-    if is_dtensor(p):
-        return
-    for key in keys:
-        value = entry.get(key)
-        if isinstance(value, torch.Tensor) and value.shape != p.shape and value.numel() == p.numel():
-            entry[key] = value.reshape(p.shape)
-
-
-def advance_adam_state(state: dict, p: torch.Tensor, settings: F.GroupSettings) -> dict[str, Any]:
-    """The Adam state of ``p`` (created at the first step: float32 moments) with this step's powers beta^t."""
-    entry = state[p]
-    follow_shape(entry, ("exp_avg", "exp_avg_sq"), p)
-    if "exp_avg" not in entry:
-        entry["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)  # a DTensor for a DTensor p
-        entry["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        entry["beta1_pow"] = 1.0
-        entry["beta2_pow"] = 1.0
-    advance_powers(entry, settings)
-    return entry
-
-
-def advance_powers(entry: dict[str, Any], settings: F.GroupSettings) -> None:
-    """One more Adam step in the state ``entry``: ``beta1_pow`` and ``beta2_pow`` (beta^t) times beta."""
-    entry["beta1_pow"] *= settings.beta1
-    entry["beta2_pow"] *= settings.beta2
 
 
 def _adam(

@@ -1,4 +1,6 @@
-"""Checks of a state dict before :meth:`HybridMuonOptimizer.load_state_dict` changes anything.
+"""Per-parameter state: its checks, its creation, its adoption by the flat engine, its shards.
+
+Checks of a state dict before :meth:`HybridMuonOptimizer.load_state_dict` changes anything.
 
 A state dict is accepted when it has deepmd-kit 3.2.0's built-in HybridMuon layout (which this
 package writes too): the same number of param_groups and parameters, every group carrying
@@ -18,10 +20,21 @@ from typing import Any
 
 import torch
 
-from .dtensor import is_dtensor
+from . import functional as F
+from .dtensor import is_dtensor, local_shard
 from .validation import GROUP_KEYS, validate_group
 
-__all__ = ["ADAM_STATE", "MUON_STATE", "check_state_dict", "written_by_hybridmuon"]
+__all__ = [
+    "ADAM_STATE",
+    "MUON_STATE",
+    "adopt",
+    "advance_adam_state",
+    "advance_powers",
+    "check_state_dict",
+    "follow_shape",
+    "local_state",
+    "written_by_hybridmuon",
+]
 
 #: State of an Adam-routed parameter: all four keys, or none.
 ADAM_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "beta1_pow", "beta2_pow")
@@ -152,3 +165,75 @@ def _check_entry(where: str, entry: Any, p: torch.Tensor) -> None:
 
 def _in_unit(value: torch.Tensor) -> bool:
     return bool(((value >= 0) & (value <= 1)).all())
+
+
+# ------------------------------------------------------------------------------------------
+# Per-parameter state: created, adopted, sharded (every implementation of the step uses these)
+# ------------------------------------------------------------------------------------------
+
+
+def local_state(state: dict, p: torch.Tensor, key: str) -> torch.Tensor:
+    """The local shard of the parameter-shaped state ``key`` of ``p`` (the tensor itself if not sharded).
+
+    A full tensor under a DTensor parameter (a single-process checkpoint loaded with
+    ``load_state_dict`` under FSDP2) is sharded like the parameter first.
+    """
+    entry = state[p]
+    value = entry[key]
+    if is_dtensor(p) and not is_dtensor(value) and value.shape == p.shape:
+        from torch.distributed.tensor import distribute_tensor
+
+        value = entry[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+    return local_shard(value)
+
+
+def follow_shape(entry: dict[str, Any], keys: tuple[str, ...], p: torch.Tensor) -> None:
+    """Give the parameter-shaped state ``keys`` of ``entry`` the shape of ``p`` if it changed in place.
+
+    ``p.data = p.data.view(...)`` keeps the storage and the order of the elements: each element
+    keeps its momentum and moments. (Not for sharded parameters, whose state FSDP2 lays out.)
+    """
+    if is_dtensor(p):
+        return
+    for key in keys:
+        value = entry.get(key)
+        if isinstance(value, torch.Tensor) and value.shape != p.shape and value.numel() == p.numel():
+            entry[key] = value.reshape(p.shape)
+
+
+def advance_adam_state(state: dict, p: torch.Tensor, settings: F.GroupSettings) -> dict[str, Any]:
+    """The Adam state of ``p`` (created at the first step: float32 moments) with this step's powers beta^t."""
+    entry = state[p]
+    follow_shape(entry, ("exp_avg", "exp_avg_sq"), p)
+    if "exp_avg" not in entry:
+        entry["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)  # a DTensor for a DTensor p
+        entry["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        entry["beta1_pow"] = 1.0
+        entry["beta2_pow"] = 1.0
+    advance_powers(entry, settings)
+    return entry
+
+
+def advance_powers(entry: dict[str, Any], settings: F.GroupSettings) -> None:
+    """One more Adam step in the state ``entry``: ``beta1_pow`` and ``beta2_pow`` (beta^t) times beta."""
+    entry["beta1_pow"] *= settings.beta1
+    entry["beta2_pow"] *= settings.beta2
+
+
+def adopt(
+    state: dict, params: Sequence[torch.Tensor], key: str, views: Sequence[torch.Tensor], reshape: bool = True
+) -> None:
+    """Make ``state[p][key]`` the view in ``views`` for each of ``params``, keeping an existing value.
+
+    The flat engine keeps each state tensor as a view of one flat buffer: an entry of the view's
+    shape is copied in first (state loaded, or written by the loop or an earlier engine), any
+    other starts from the view's contents. With ``reshape`` (parameter-shaped state), a
+    parameter reshaped in place keeps its state, as in the loop (:func:`follow_shape`).
+    """
+    for p, view in zip(params, views, strict=True):
+        if reshape:
+            follow_shape(state[p], (key,), p)
+        old = state[p].get(key)
+        if isinstance(old, torch.Tensor) and old.shape == view.shape:
+            view.copy_(old)
+        state[p][key] = view

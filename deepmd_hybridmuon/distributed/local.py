@@ -18,6 +18,7 @@ from .. import loop
 from ..dtensor import is_dtensor, local_shard
 from ..engine import compilation
 from ..engine.layout import assign, build_fused, build_phased, run_phased
+from ..state import advance_adam_state, local_state
 from .plan import Plan, _ShapeGroup
 
 
@@ -110,7 +111,7 @@ def _local_inputs(states: dict, group: dict[str, Any], plan: Plan, grads: dict, 
         if layout.route == "muon":
             continue
         p = group["params"][layout.index]
-        state = loop.advance_adam_state(states, p, settings)
+        state = advance_adam_state(states, p, settings)
         decay = settings.adam_decay(layout.route)
         key = (p.dtype, p.device, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
         if key not in by_key:
@@ -136,8 +137,8 @@ def _local_adam(states: dict, settings: F.GroupSettings, buckets: list[_AdamBuck
         assert b.grad is not None  # _flat_grads ran
         locals_ = [local_shard(p) for p in b.params]
         moments = (
-            [loop.local_state(states, p, "exp_avg") for p in b.params],
-            [loop.local_state(states, p, "exp_avg_sq") for p in b.params],
+            [local_state(states, p, "exp_avg") for p in b.params],
+            [local_state(states, p, "exp_avg_sq") for p in b.params],
         )
         flat_p, flat_m, flat_v = _flat(locals_), _flat(moments[0]), _flat(moments[1])
         F.adam_update_(
@@ -187,7 +188,7 @@ def _local_muon(
         state = states[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grads[id(p)])  # a DTensor for a DTensor p
-    bufs = [loop.local_state(states, p, "momentum_buffer") for p in muon]
+    bufs = [local_state(states, p, "momentum_buffer") for p in muon]
     work = bufs[0].dtype
     locals_ = [local_shard(p) for p in muon]
     flat_p = _flat(locals_)

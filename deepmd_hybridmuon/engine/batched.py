@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from .. import loop
+from ..state import advance_powers
 from . import compilation
 from .layout import Layout, run_phased
 
@@ -98,7 +98,7 @@ class BatchedStep:
         s = F.GroupSettings.of(group)
         neg_steps, bc2 = [], []
         for st in self.layout.adam_states:
-            loop.advance_powers(st, s)
+            advance_powers(st, s)
             neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
             neg_steps.append(neg_step)
             bc2.append(divisor)

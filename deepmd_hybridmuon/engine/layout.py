@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from ..loop import follow_shape
+from ..state import adopt
 
 __all__ = ["Bucket", "Fused", "Layout", "Phased", "assign", "bucket_key", "kernel_paths", "split_views"]
 
@@ -262,15 +262,6 @@ class Layout:
 
     # ------------------------------------------------------------------ state
 
-    def adopt(self, state: dict, params: list[torch.Tensor], key: str, flat: torch.Tensor) -> None:
-        """Copy existing state ``key`` of ``params`` into ``flat`` and make the state entries views of it."""
-        for p, view in zip(params, split_views(flat, params), strict=True):
-            follow_shape(state[p], (key,), p)  # a parameter reshaped in place keeps its state, as in the loop
-            old = state[p].get(key)
-            if isinstance(old, torch.Tensor) and old.shape == view.shape:
-                view.copy_(old)
-            state[p][key] = view
-
     def _build_adam(self, state: dict) -> None:
         n = sum(p.numel() for p in self.adam)
         kw = {"device": self.device, "dtype": torch.float32}
@@ -279,8 +270,8 @@ class Layout:
         self.adam_delta = self.delta[:n]
         self.adam_grad = self.grad[:n]
         fresh = [p for p in self.adam if "exp_avg" not in state[p]]
-        self.adopt(state, self.adam, "exp_avg", self.exp_avg)
-        self.adopt(state, self.adam, "exp_avg_sq", self.exp_avg_sq)
+        adopt(state, self.adam, "exp_avg", split_views(self.exp_avg, self.adam))
+        adopt(state, self.adam, "exp_avg_sq", split_views(self.exp_avg_sq, self.adam))
         for p in fresh:
             state[p]["beta1_pow"] = 1.0
             state[p]["beta2_pow"] = 1.0
@@ -295,7 +286,7 @@ class Layout:
         n = sum(p.numel() for p in params)
         kw = {"device": self.device}
         self.momentum = torch.zeros(n, dtype=self.dtype, **kw)
-        self.adopt(state, params, "momentum_buffer", self.momentum)
+        adopt(state, params, "momentum_buffer", split_views(self.momentum, params))
         self.muon_delta = self.delta[self.delta.numel() - n :]
         self.muon_grad = self.grad[self.grad.numel() - n :]
 
@@ -309,11 +300,7 @@ class Layout:
         self.block_factor = torch.zeros_like(self.block_scale)  # scale x Magma x -lr, per step
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
-            for p, view in zip(params, self.scores.split([bs for bs, _, _ in views]), strict=True):
-                old = state[p].get("magma_score")
-                if isinstance(old, torch.Tensor) and old.shape == view.shape:
-                    view.copy_(old)
-                state[p]["magma_score"] = view
+            adopt(state, params, "magma_score", self.scores.split([bs for bs, _, _ in views]), reshape=False)
 
         # Each matrix goes to a Triton launch (with the kernels) or to a zero-padded stack
         # of the torch path.
