@@ -506,7 +506,8 @@ def test_route_parameter(name, shape, mode, route, view) -> None:
     ("values", "expected"),
     [
         ([1.0, -2.0, 0.0], 1.0),
-        ([3.0e38, 3.0e38, -3.0e38], 1.0),  # finite, though their float32 sum overflows
+        ([1.5e38, 1.5e38, -1.5e38], 1.0),  # below GRAD_LIMIT (2^127), though their float32 sum overflows
+        ([3.0e38, 1.0], 0.0),  # finite, but at or above GRAD_LIMIT: the momentum's lerp would overflow
         ([1.0, float("inf")], 0.0),
         ([-float("inf"), 1.0], 0.0),
         ([float("nan")], 0.0),
