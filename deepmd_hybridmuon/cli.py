@@ -346,21 +346,13 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
 def _validate_optimizer(section: dict[str, Any]) -> None:
     """Build the optimizer's defaults through its own validation (no parameters needed)."""
     from .optimizer import HybridMuonOptimizer
+    from .options import OPTIONS
 
+    # every option that is an input key is the constructor's keyword of the same name; the betas make a pair
+    keywords = {o.name: section[o.name] for o in OPTIONS if o.input_key and o.scope in ("group", "optimizer")}
     probe = [{"params": [], "lr": 0.0}]
     try:
-        HybridMuonOptimizer(
-            probe,
-            momentum=section["momentum"],
-            weight_decay=section["weight_decay"],
-            adam_betas=(section["adam_beta1"], section["adam_beta2"]),
-            lr_adjust=section["lr_adjust"],
-            lr_adjust_coeff=section["lr_adjust_coeff"],
-            muon_mode=section["muon_mode"],
-            enable_gram=section["enable_gram"],
-            flash_muon=section["flash_muon"],
-            magma_muon=section["magma_muon"],
-        )
+        HybridMuonOptimizer(probe, adam_betas=(section["adam_beta1"], section["adam_beta2"]), **keywords)
     except ValueError as err:
         raise CheckError(f"[at location `optimizer`] {err}") from err
 

@@ -20,8 +20,9 @@ from torch.optim.optimizer import Optimizer
 from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine
+from .options import GROUP_KEYS, OPTION, OPTIONS
 from .state import check_state_dict
-from .validation import check_gradients, check_parameters, check_removed, validate_group
+from .validation import REMOVED_KEYS, check_gradients, check_option, check_parameters, check_removed, validate_group
 
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
 log = logging.getLogger("deepmd.hybridmuon")
@@ -30,8 +31,13 @@ __all__ = ["HybridMuonOptimizer"]
 
 #: The log line once a group's flat engine runs the Triton kernels (benchmarks read it).
 KERNELS_IN_USE_LOG = "Triton kernels in use from step %d of this run"
-#: Constructor keywords that are settings of the optimizer, not of a param_group.
-_OPTIMIZER_KEYS: frozenset[str] = frozenset({"flash_muon", "use_foreach", "named_parameters", "nonfinite_across_ranks"})
+#: The settings of the whole optimizer (the options of scope "optimizer"): constructor keywords kept as attributes.
+_SETTINGS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.scope == "optimizer")
+#: Constructor keywords that are no param_group keys: the settings, and two that set nothing per group.
+_OPTIMIZER_KEYS: frozenset[str] = frozenset({*_SETTINGS, "use_foreach", "named_parameters"})
+#: The settings and group keys a group's engine is built from (the options that take effect at "build").
+_BUILD_SETTINGS: tuple[str, ...] = tuple(key for key in _SETTINGS if OPTION[key].effect == "build")
+_BUILD_GROUP_KEYS: tuple[str, ...] = tuple(key for key in GROUP_KEYS if OPTION[key].effect == "build")
 #: The ways a param_group's step can run; all compute the same step. Not an option: the
 #: default is always right for users. Tests and benchmarks pick one by setting the private
 #: attribute ``_implementation`` of an optimizer before its first step (the only switch;
@@ -45,8 +51,7 @@ IMPLEMENTATIONS: tuple[str, ...] = ("engine", "engine-eager", "loop")
 #: Attributes that pickling keeps besides torch's (see ``HybridMuonOptimizer.__getstate__``), with the
 #: values an object pickled without them (torch's own ``__getstate__``) gets: the constructor's defaults.
 _PICKLED: dict[str, Any] = {
-    "flash_muon": True,
-    "nonfinite_across_ranks": False,
+    **{key: OPTION[key].default for key in _SETTINGS},
     "_implementation": "engine",
     "_names_version": 0,
     "_state_version": 0,
@@ -56,6 +61,11 @@ _PICKLED: dict[str, Any] = {
 #: State tensors kept in float32 whatever the parameter dtype (torch's load_state_dict
 #: casts them to the parameter dtype; we cast them back).
 _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
+
+
+def _snapshot(value: Any) -> Any:
+    """A group value as an engine is built from it: a number as a float (a one-element tensor may change in place)."""
+    return value if isinstance(value, (bool, str)) else float(value)
 
 
 @contextlib.contextmanager
@@ -224,27 +234,17 @@ class HybridMuonOptimizer(Optimizer):
             raise TypeError(
                 f"HybridMuonOptimizer.__init__() got an unexpected keyword argument {next(iter(removed))!r}"
             )
-        flags = {"flash_muon": flash_muon, "nonfinite_across_ranks": nonfinite_across_ranks}
-        for key, flag in flags.items():
-            if not isinstance(flag, bool):
-                raise ValueError(f"Invalid {key}: {flag!r}; expected true or false")
+        arguments = locals()  # the keywords by name: the options' table names them
+        for key in _SETTINGS:
+            check_option(OPTION[key], arguments[key])
         if use_foreach is not None and not isinstance(use_foreach, bool):
             raise ValueError(f"Invalid use_foreach: {use_foreach!r}; expected true, false or None")
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "weight_decay": weight_decay,
-            "adam_betas": tuple(adam_betas) if isinstance(adam_betas, list) else adam_betas,
-            "lr_adjust": lr_adjust,
-            "lr_adjust_coeff": lr_adjust_coeff,
-            "muon_mode": muon_mode,
-            "enable_gram": enable_gram,
-            "magma_muon": magma_muon,
-        }
-        validate_group({"params": [], **defaults})  # fail on the argument, before any group
-        defaults["muon_mode"] = str(muon_mode).lower()
-        self.flash_muon = flash_muon
-        self.nonfinite_across_ranks = nonfinite_across_ranks
+        defaults = {key: arguments[key] for key in GROUP_KEYS}
+        if isinstance(adam_betas, list):
+            defaults["adam_betas"] = tuple(adam_betas)
+        validate_group(defaults)  # fail on the argument, before any group; choices lower-cased
+        for key in _SETTINGS:
+            setattr(self, key, arguments[key])
         self._implementation = "engine"  # see IMPLEMENTATIONS
         self._param_names: dict[int, str] = {}
         self._names_version = 0  # bumped when names change: the flat engines rebuild
@@ -269,7 +269,7 @@ class HybridMuonOptimizer(Optimizer):
         is a removed option (``ddp_split``).
         """
         check_removed(param_group)
-        for key in ("flash_muon", "nonfinite_across_ranks"):
+        for key in _SETTINGS:
             if key in param_group and param_group[key] != getattr(self, key):
                 raise ValueError(
                     f"Invalid param_group key {key}: {param_group[key]!r}; it is a setting of the whole optimizer "
@@ -375,7 +375,8 @@ class HybridMuonOptimizer(Optimizer):
         state = dict(state)
         names = state.pop("param_names", None)
         settings = {key: state.pop(key) for key in _PICKLED if key in state}
-        state.pop("ddp_split", None)  # pickles of versions that had the option
+        for key in REMOVED_KEYS:  # pickles of versions that had the option
+            state.pop(key, None)
         super().__setstate__(state)
         self.defaults.pop("differentiable", None)
         for key, default in _PICKLED.items():
@@ -515,20 +516,14 @@ class HybridMuonOptimizer(Optimizer):
         return ok
 
     def _engine_signature(self, group: dict[str, Any]) -> tuple[Any, ...]:
-        """What a group's engine is built from; a change rebuilds it."""
-        lr_adjust = float(group["lr_adjust"])
+        """What a group's engine is built from (names, state, the "build" options); a change rebuilds it."""
         return (
             self._names_version,
             self._state_version,
             self._implementation,
-            self.flash_muon,
-            self.nonfinite_across_ranks,
-            group["muon_mode"],
-            group["enable_gram"],
-            group["magma_muon"],
-            lr_adjust <= 0,
-            lr_adjust if lr_adjust > 0 else float(group["lr_adjust_coeff"]),
-            float(group["weight_decay"]) > 0,  # the decay passes exist or not
+            *[getattr(self, key) for key in _BUILD_SETTINGS],
+            *[_snapshot(group[key]) for key in _BUILD_GROUP_KEYS],
+            float(group["weight_decay"]) > 0,  # read each step, but the decay passes exist or not
         )
 
     def _engine(self, index: int, group: dict[str, Any]) -> GroupEngine | None:

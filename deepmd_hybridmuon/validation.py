@@ -1,4 +1,4 @@
-"""Checks of user input: numbers, and every hyperparameter of a param_group.
+"""Checks of user input: numbers, and every option of the table (:mod:`.options`) in a param_group.
 
 Each error names the key, the value and what is allowed. Used by the optimizer (constructor,
 ``add_param_group``) and by the schema (``dp check``), so both say the same thing.
@@ -12,40 +12,24 @@ from typing import Any
 
 import torch
 
-from .functional import MUON_MODES
+from .options import GROUP_KEYS, OPTION, OPTIONS, Option
 
 __all__ = [
     "GROUP_KEYS",
     "REMOVED_KEYS",
     "check_gradients",
     "check_number",
+    "check_option",
     "check_parameters",
     "check_removed",
     "validate_group",
 ]
 
-#: Keys of a param_group: exactly those of deepmd-kit 3.2.0, so checkpoints move both ways.
-GROUP_KEYS: tuple[str, ...] = (
-    "lr",
-    "momentum",
-    "weight_decay",
-    "adam_betas",
-    "lr_adjust",
-    "lr_adjust_coeff",
-    "muon_mode",
-    "enable_gram",
-    "magma_muon",
-)
 #: Keys other code may add to a param_group: torch's schedulers and named groups.
 _FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
 #: Options that were removed, and what to do instead. The constructor, ``add_param_group`` and
 #: the schema (``dp check``, ``dp train``) refuse each by name with this text.
-REMOVED_KEYS: dict[str, str] = {
-    "ddp_split": (
-        "ddp_split was removed; remove the key: under DDP every replica orthogonalises all the Muon matrices, "
-        "which measured cheaper for DeePMD models than splitting them across the replicas (BENCHMARKS.md)"
-    ),
-}
+REMOVED_KEYS: dict[str, str] = {option.name: option.doc for option in OPTIONS if option.scope == "removed"}
 
 
 def check_removed(keys: Any) -> None:
@@ -75,29 +59,40 @@ def check_number(key: str, value: Any, *, low: float, high: float | None = None,
         raise ValueError(f"Invalid {key}: {value!r}; expected a value in [{low:g}, {upper}")
 
 
+def check_option(option: Option, value: Any, key: str | None = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is allowed for ``option`` (named ``key`` in the message; its name)."""
+    key = key or option.name
+    if option.scope == "removed":
+        raise ValueError(option.doc)
+    if option.items:
+        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(option.items):
+            names = ", ".join(item.name.rsplit("_", 1)[-1] for item in option.items)  # adam_beta1 -> beta1
+            raise ValueError(f"Invalid {key}: {value!r}; expected a pair ({names})")
+        for i, (item, part) in enumerate(zip(option.items, value, strict=True)):
+            check_option(item, part, f"{key}[{i}]")
+    elif option.choices:
+        if not isinstance(value, str) or value.lower() not in option.choices:
+            raise ValueError(f"Invalid {key}: {value!r}; {option.allowed}")
+    elif option.types == (bool,):
+        if not isinstance(value, bool):
+            raise ValueError(f"Invalid {key}: {value!r}; expected true or false")
+    else:
+        check_number(key, value, low=option.low, high=option.high, high_open=option.high_open)
+
+
 def validate_group(group: dict[str, Any]) -> None:
-    """Check every hyperparameter of one param_group; raise ``ValueError`` naming the bad one."""
+    """Check every hyperparameter of one param_group; raise ``ValueError`` naming the bad one.
+
+    Choices are stored lower-case.
+    """
     check_removed(group)
     unknown = sorted(set(group) - set(GROUP_KEYS) - _FOREIGN_GROUP_KEYS)
     if unknown:
         raise ValueError(f"Unknown param_group keys: {unknown}; expected a subset of {list(GROUP_KEYS)}")
-    check_number("lr", group["lr"], low=0.0)
-    check_number("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
-    check_number("weight_decay", group["weight_decay"], low=0.0)
-    betas = group["adam_betas"]
-    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
-        raise ValueError(f"Invalid adam_betas: {betas!r}; expected a pair (beta1, beta2)")
-    check_number("adam_betas[0]", betas[0], low=0.0, high=1.0, high_open=True)
-    check_number("adam_betas[1]", betas[1], low=0.0, high=1.0, high_open=True)
-    check_number("lr_adjust", group["lr_adjust"], low=-math.inf)
-    check_number("lr_adjust_coeff", group["lr_adjust_coeff"], low=0.0)
-    mode = group["muon_mode"]
-    if not isinstance(mode, str) or mode.lower() not in MUON_MODES:
-        raise ValueError(f"Invalid muon_mode: {mode!r}; expected one of '2d', 'flat', 'slice'")
-    group["muon_mode"] = mode.lower()
-    for key in ("enable_gram", "magma_muon"):
-        if not isinstance(group[key], bool):
-            raise ValueError(f"Invalid {key}: {group[key]!r}; expected true or false")
+    for key in GROUP_KEYS:
+        check_option(OPTION[key], group[key])
+        if OPTION[key].choices:
+            group[key] = group[key].lower()
 
 
 def check_parameters(params: Sequence[torch.Tensor], group_index: int) -> None:

@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "deepmd_hybridmuon"
 #: Top to bottom, as README.md lists them.
 LAYERS = [
     "functional",
+    "options",
     "validation",
     "dtensor",
     "state",
