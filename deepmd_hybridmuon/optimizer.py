@@ -20,7 +20,7 @@ from torch.optim.optimizer import Optimizer
 from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine
-from .options import GROUP_KEYS, OPTION, OPTIONS
+from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, OPTIONS
 from .state import check_state_dict
 from .validation import REMOVED_KEYS, check_gradients, check_option, check_parameters, check_removed, validate_group
 
@@ -33,8 +33,6 @@ __all__ = ["HybridMuonOptimizer"]
 KERNELS_IN_USE_LOG = "Triton kernels in use from step %d of this run"
 #: The settings of the whole optimizer (the options of scope "optimizer"): constructor keywords kept as attributes.
 _SETTINGS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.scope == "optimizer")
-#: Constructor keywords that are no param_group keys: the settings, and two that set nothing per group.
-_OPTIMIZER_KEYS: frozenset[str] = frozenset({*_SETTINGS, "use_foreach", "named_parameters"})
 #: The settings and group keys a group's engine is built from (the options that take effect at "build").
 _BUILD_SETTINGS: tuple[str, ...] = tuple(key for key in _SETTINGS if OPTION[key].effect == "build")
 _BUILD_GROUP_KEYS: tuple[str, ...] = tuple(key for key in GROUP_KEYS if OPTION[key].effect == "build")
@@ -154,7 +152,8 @@ class HybridMuonOptimizer(Optimizer):
     first step; every hyperparameter is validated here with a ``ValueError``; size-0,
     frozen and grad-less parameters are skipped; no ``torch.compile`` (no seconds of
     compilation at the first step) and no import-time side effects; a step whose
-    gradients hold NaN or inf is skipped (parameters and state unchanged, decided on the
+    gradients hold NaN or inf, or elements too large for the arithmetic (2^127 and more; 2^63
+    and more on an Adam route), is skipped (parameters and state unchanged, decided on the
     device; see :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor)
     parameters work, each Muon matrix orthogonalised once, on one owner rank
     (:mod:`deepmd_hybridmuon.distributed`); under DDP every replica takes the whole step,
@@ -275,7 +274,7 @@ class HybridMuonOptimizer(Optimizer):
                     f"Invalid param_group key {key}: {param_group[key]!r}; it is a setting of the whole optimizer "
                     f"({getattr(self, key)!r} here), given to the constructor, not per param_group"
                 )
-        param_group = {k: v for k, v in param_group.items() if k not in _OPTIMIZER_KEYS}
+        param_group = {k: v for k, v in param_group.items() if k not in OPTIMIZER_KEYS}
         super().add_param_group(param_group)
         try:
             validate_group(self.param_groups[-1])

@@ -22,6 +22,7 @@ import torch
 
 from . import functional as F
 from .dtensor import is_dtensor, local_shard
+from .options import OPTIMIZER_KEYS
 from .validation import GROUP_KEYS, validate_group
 
 __all__ = [
@@ -115,7 +116,9 @@ def _check_group(index: int, saved: Any, count: int) -> None:
         got = len(saved["params"]) if isinstance(saved.get("params"), Sequence) else "no list of"
         raise ValueError(f"Invalid {where}: {got} parameters; this optimizer's group {index} has {count}")
     try:
-        validate_group(dict(saved))  # a copy: validate_group normalises muon_mode in place
+        # a copy (validate_group normalises muon_mode in place), without the constructor's other
+        # keywords, which ZeroRedundancyOptimizer writes into its param_groups
+        validate_group({k: v for k, v in saved.items() if k not in OPTIMIZER_KEYS})
     except ValueError as err:
         raise ValueError(f"{err} (in {where} of the state dict)") from None
 

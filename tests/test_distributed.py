@@ -291,38 +291,48 @@ def _scenario_zero(rank: int, outdir: str) -> None:
 def _zero_restart_refused() -> list[str]:
     """``dp --pt train --restart`` at ``zero_stage`` 1 (our wrapper of deepmd's ``_load_optimizer_state``).
 
-    ZeroRedundancyOptimizer copies each state entry into the local optimizer itself, past its
-    ``load_state_dict``. A checkpoint with a group value the constructor refuses, or state of the
-    wrong shape, must be refused before anything changes: the messages, and whether the local
-    optimizer's state stayed empty.
+    The checkpoint is what deepmd saves under ZeRO-1: ``ZeroRedundancyOptimizer.state_dict()``
+    after one step, built with the keywords deepmd's trainer and the plugin pass (kept in ZeRO's
+    param_groups). ZeroRedundancyOptimizer copies each state entry into the local optimizer itself,
+    past its ``load_state_dict``: the checkpoint as written must load, and one with a group value
+    the constructor refuses, or state of the wrong shape, must be refused before anything changes.
+    Returns, per case, "loaded" or the message and whether the local optimizer's state stayed empty.
     """
     import types
 
     import deepmd.backend  # noqa: F401  (loads our "deepmd.backend" entry point, as `dp` does)
+    import torch.distributed as dist
     from deepmd.pt.train import training
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     named = list(_Net().named_parameters())
-    single = HybridMuonOptimizer([p for _, p in named], lr=LR)
+    kwargs = {"lr": LR, "flash_muon": True, "use_foreach": None, "nonfinite_across_ranks": True}
+
+    def zero() -> ZeroRedundancyOptimizer:
+        return ZeroRedundancyOptimizer([p for _, p in named], optimizer_class=HybridMuonOptimizer, **kwargs)
+
+    writer = zero()
     set_grads([p for _, p in named], _full_grads(named, 0))
-    single.step()
-    good = single.state_dict()
-    bad_group = copy.deepcopy(good)
+    writer.step()
+    for target in range(dist.get_world_size()):  # every rank gets the whole checkpoint, as from a file
+        writer.consolidate_state_dict(to=target)
+        if target == dist.get_rank():
+            written = writer.state_dict()
+    bad_group = copy.deepcopy(written)
     bad_group["param_groups"][0]["momentum"] = 1.5
-    bad_shape = copy.deepcopy(good)
+    bad_shape = copy.deepcopy(written)
     entry = next(e for e in bad_shape["state"].values() if "momentum_buffer" in e)
     entry["momentum_buffer"] = torch.zeros(3)
     messages = []
-    for bad in (bad_group, bad_shape):
-        zero = ZeroRedundancyOptimizer([p for _, p in named], optimizer_class=HybridMuonOptimizer, lr=LR)
+    for checkpoint in (written, bad_group, bad_shape):
         trainer = training.Trainer.__new__(training.Trainer)
-        trainer.optimizer, trainer.restart_training = zero, True
+        trainer.optimizer, trainer.restart_training = zero(), True
         trainer.sharding = types.SimpleNamespace(stage=1, shards_parameters=False)
         try:
-            trainer._load_optimizer_state(bad)
+            trainer._load_optimizer_state(copy.deepcopy(checkpoint))
             messages.append("loaded")
         except ValueError as err:
-            messages.append(f"{err} | state left empty: {len(zero.optim.state) == 0}")
+            messages.append(f"{err} | state left empty: {len(trainer.optimizer.optim.state) == 0}")
     return messages
 
 
@@ -835,9 +845,13 @@ def test_zero1_accepts_deepmd_trainer_kwargs(run: _Run) -> None:
 
 
 def test_zero1_restart_checks_the_checkpoint_before_anything_changes(run: _Run) -> None:
-    """ZeRO-1 writes the state into each rank's optimizer itself: the plugin checks it first."""
+    """ZeRO-1 copies the state into each rank's optimizer itself: the plugin checks it first.
+
+    Its own checkpoints load; bad ones are refused with nothing changed.
+    """
     for rank in (0, 1):
-        group, shape = run.result("zero", rank)["restart_refused"]
+        written, group, shape = run.result("zero", rank)["restart_refused"]
+        assert written == "loaded", written
         assert "momentum" in group and "1.5" in group and group.endswith("state left empty: True"), group
         assert "momentum_buffer" in shape and shape.endswith("state left empty: True"), shape
 

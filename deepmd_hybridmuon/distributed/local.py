@@ -217,7 +217,7 @@ def _local_muon(
     # (functional.magma_sums) without a scale agreed first. Instead they are float64 for inputs
     # of at most 32 bits: no product of two finite float32 numbers, nor a sum of 2^700 of them,
     # overflows float64, and float32's smallest numbers square to normal float64 ones.
-    # (float64 inputs above ~1e150 still overflow: functional.magma_score counts that as 0.)
+    # (float64 inputs are below functional.GRAD_LIMIT too, so their sums cannot overflow either.)
     wide = torch.float64
     m64, g64 = flat_buf.to(wide), g.to(wide)
     products = torch.stack([m64 * g64, m64 * m64, g64 * g64], dim=1)  # (local elements, 3)

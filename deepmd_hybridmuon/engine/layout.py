@@ -6,7 +6,7 @@ changes). It holds
 * the flat buffers: one gradient buffer and one update buffer holding the Adam
   parameters first, then the Muon ones; the float32 Adam moments; the Muon momentum; the
   Magma scores. The optimizer's per-parameter state entries (``state[p]["exp_avg"]``...)
-  become views of them (:meth:`Layout.adopt`), so the state keeps the built-in layout;
+  become views of them (:func:`deepmd_hybridmuon.state.adopt`), so the state keeps the built-in layout;
 * the assignment of every Muon matrix to a path (:func:`assign`): one Triton program per
   matrix (:class:`Fused`), phased Triton tiles (:class:`Phased`), or a zero-padded stack of
   the torch path (:class:`Bucket`);

@@ -90,7 +90,7 @@ def _panel_reduce_kernel(
     if START == 0:
         inv = 1.0 / (tl.sqrt(tl.sum(tl.where(eye > 0, acc, 0.0))) + eps)  # ||G|| = sqrt(trace(G G^T))
         tl.store(inv_ptr + i, inv)
-        # A sum of squares beyond float32 (entries above ~1e19) gives inv 0: X = 0, as the other
+        # A sum of squares beyond float32 (a norm above ~1.8e19) gives inv 0: X = 0, as the other
         # kernels give, and R = 0 rather than inf * 0.
         R = tl.where(inv > 0, acc * inv * inv, 0.0).to(tl.float16)
     else:  # a restart: the partial sums are those of X X^T

@@ -144,7 +144,9 @@ _SPAN_OPTIONS: dict[str, Any] = {"BLOCK": 1024, "num_warps": 4}
 def gather(addresses: torch.Tensor, spans: torch.Tensor, flat: torch.Tensor, finite: torch.Tensor) -> None:
     """Copy the tensors at ``addresses`` (int64, contiguous, ``flat``'s dtype) into ``flat`` (:func:`span_table`).
 
-    ``finite`` (float32, one per span) gets 1.0 for a span without infinite or NaN elements, else 0.0.
+    ``finite`` (float32, one per span) gets 1.0 for a span whose elements are all finite and below
+    ``functional.GRAD_LIMIT`` in magnitude, else 0.0. ``spans``, ``flat`` and ``finite`` are tensors
+    of their own, never views at an offset (the kernel is compiled for their alignment).
     """
     _gather_kernel[(spans.size(0),)](addresses, spans, flat, finite, **_SPAN_OPTIONS)
 
