@@ -128,6 +128,8 @@ _ADAM_LIMIT_PROBE: float = 2.0**65
 #: skips the step like a non-finite one (:func:`finite_gate`); ``2 g`` in float32 overflows
 #: exactly from this limit on.
 GRAD_LIMIT: float = 2.0**127
+#: ``g * this`` overflows float32 exactly when ``|g| >= GRAD_LIMIT``.
+_GRAD_LIMIT_PROBE: float = 2.0
 
 #: Magma (arXiv:2602.15322) temperature of the sigmoid applied to cos(m, g).
 MAGMA_TAU: float = 2.0
@@ -646,8 +648,8 @@ def finite_gate(grads: list[torch.Tensor], adam_grads: list[torch.Tensor] = ()) 
     gradient is multiplied by a power of two that overflows float32 exactly from its limit on.
     """
     device = (grads or adam_grads)[0].device
-    zeros = [(g.to(torch.float32) * 2 * 0).sum().to(device) for g in grads]
-    zeros += [(g.to(torch.float32) * _ADAM_LIMIT_PROBE * 0).sum().to(device) for g in adam_grads]
+    probes = [(g, _GRAD_LIMIT_PROBE) for g in grads] + [(g, _ADAM_LIMIT_PROBE) for g in adam_grads]
+    zeros = [(g.to(torch.float32) * probe * 0).sum().to(device) for g, probe in probes]
     total = zeros[0] if len(zeros) == 1 else torch.stack(zeros).sum()
     return (total == 0).to(torch.float32)
 

@@ -20,7 +20,7 @@ from torch.optim.optimizer import Optimizer
 from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine
-from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, OPTIONS
+from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS
 from .state import check_state_dict
 from .validation import REMOVED_KEYS, check_gradients, check_option, check_parameters, check_removed, validate_group
 
@@ -31,10 +31,8 @@ __all__ = ["HybridMuonOptimizer"]
 
 #: The log line once a group's flat engine runs the Triton kernels (benchmarks read it).
 KERNELS_IN_USE_LOG = "Triton kernels in use from step %d of this run"
-#: The settings of the whole optimizer (the options of scope "optimizer"): constructor keywords kept as attributes.
-_SETTINGS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.scope == "optimizer")
 #: The settings and group keys a group's engine is built from (the options that take effect at "build").
-_BUILD_SETTINGS: tuple[str, ...] = tuple(key for key in _SETTINGS if OPTION[key].effect == "build")
+_BUILD_SETTINGS: tuple[str, ...] = tuple(key for key in SETTINGS if OPTION[key].effect == "build")
 _BUILD_GROUP_KEYS: tuple[str, ...] = tuple(key for key in GROUP_KEYS if OPTION[key].effect == "build")
 #: The ways a param_group's step can run; all compute the same step. Not an option: the
 #: default is always right for users. Tests and benchmarks pick one by setting the private
@@ -49,7 +47,7 @@ IMPLEMENTATIONS: tuple[str, ...] = ("engine", "engine-eager", "loop")
 #: Attributes that pickling keeps besides torch's (see ``HybridMuonOptimizer.__getstate__``), with the
 #: values an object pickled without them (torch's own ``__getstate__``) gets: the constructor's defaults.
 _PICKLED: dict[str, Any] = {
-    **{key: OPTION[key].default for key in _SETTINGS},
+    **{key: OPTION[key].default for key in SETTINGS},
     "_implementation": "engine",
     "_names_version": 0,
     "_state_version": 0,
@@ -234,7 +232,7 @@ class HybridMuonOptimizer(Optimizer):
                 f"HybridMuonOptimizer.__init__() got an unexpected keyword argument {next(iter(removed))!r}"
             )
         arguments = locals()  # the keywords by name: the options' table names them
-        for key in _SETTINGS:
+        for key in SETTINGS:
             check_option(OPTION[key], arguments[key])
         if use_foreach is not None and not isinstance(use_foreach, bool):
             raise ValueError(f"Invalid use_foreach: {use_foreach!r}; expected true, false or None")
@@ -242,7 +240,7 @@ class HybridMuonOptimizer(Optimizer):
         if isinstance(adam_betas, list):
             defaults["adam_betas"] = tuple(adam_betas)
         validate_group(defaults)  # fail on the argument, before any group; choices lower-cased
-        for key in _SETTINGS:
+        for key in SETTINGS:
             setattr(self, key, arguments[key])
         self._implementation = "engine"  # see IMPLEMENTATIONS
         self._param_names: dict[int, str] = {}
@@ -268,7 +266,7 @@ class HybridMuonOptimizer(Optimizer):
         is a removed option (``ddp_split``).
         """
         check_removed(param_group)
-        for key in _SETTINGS:
+        for key in SETTINGS:
             if key in param_group and param_group[key] != getattr(self, key):
                 raise ValueError(
                     f"Invalid param_group key {key}: {param_group[key]!r}; it is a setting of the whole optimizer "
@@ -455,7 +453,7 @@ class HybridMuonOptimizer(Optimizer):
                 engine.step(group, shared)
 
     def _fsdp_group(self, index: int) -> distributed.FsdpGroup:
-        """The FSDP2 runner of param_group ``index`` (it rebuilds its plan when needed)."""
+        """The FSDP2 runner of param_group ``index``, made at its first step (it rebuilds its plan when needed)."""
         runner = self._runners.get(index)
         if not isinstance(runner, distributed.FsdpGroup):
             runner = self._runners[index] = distributed.FsdpGroup()
@@ -469,9 +467,13 @@ class HybridMuonOptimizer(Optimizer):
         """One log line, the first time a step is skipped for an Adam gradient above ``ADAM_GRAD_LIMIT``.
 
         Read on the host for CPU gradients only: on a GPU reading them would make the host wait
-        for the device every step, so there the step is skipped silently, as for a NaN.
+        for the device every step, so there the step is skipped silently, as for a NaN. A group
+        is looked at when its first parameter lives on the CPU: a GPU run pays one check per
+        group and step, not one per parameter.
         """
         for group in self.param_groups:
+            if not group["params"] or group["params"][0].device.type != "cpu":
+                continue
             for p in group["params"]:
                 grad = p.grad
                 if grad is None or grad.device.type != "cpu" or distributed.is_dtensor(grad) or not grad.numel():
@@ -576,8 +578,9 @@ class HybridMuonOptimizer(Optimizer):
         rows = []
         for index, group in enumerate(self.param_groups):
             runner = self._runners.get(index)
-            if any(distributed.is_dtensor(p) for p in group["params"]):
-                rows.append(self._fsdp_group(index).summary())
+            if any(distributed.is_dtensor(p) for p in group["params"]):  # not stepped yet: no runner is made here
+                fsdp = runner if isinstance(runner, distributed.FsdpGroup) else distributed.FsdpGroup()
+                rows.append(fsdp.summary())
                 continue
             fresh = isinstance(runner, GroupEngine) and runner.signature == self._engine_signature(group)
             rows.append(runner.summary() if fresh else {"implementation": "loop"})

@@ -15,7 +15,7 @@ from typing import Any
 
 from .functional import MUON_MODES
 
-__all__ = ["GROUP_KEYS", "OPTIMIZER_KEYS", "OPTION", "OPTIONS", "Option"]
+__all__ = ["GROUP_KEYS", "OPTIMIZER_KEYS", "OPTION", "OPTIONS", "SETTINGS", "Option"]
 
 
 @dataclass(frozen=True)
@@ -218,11 +218,11 @@ OPTIONS: tuple[Option, ...] = (
 )
 #: The rows by name.
 OPTION: dict[str, Option] = {option.name: option for option in OPTIONS}
-#: Constructor keywords that are no param_group keys: the settings of scope "optimizer", and two that
-#: set nothing per group. (torch's ZeroRedundancyOptimizer keeps them in its param_groups all the same.)
-OPTIMIZER_KEYS: frozenset[str] = frozenset(
-    {*(option.name for option in OPTIONS if option.scope == "optimizer"), "use_foreach", "named_parameters"}
-)
+#: The settings of the whole optimizer (the rows of scope "optimizer"): constructor keywords kept as attributes.
+SETTINGS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.scope == "optimizer")
+#: Constructor keywords that are no param_group keys: the settings, and two that set nothing per
+#: group. (torch's ZeroRedundancyOptimizer keeps them in its param_groups all the same.)
+OPTIMIZER_KEYS: frozenset[str] = frozenset({*SETTINGS, "use_foreach", "named_parameters"})
 #: The keys of a param_group (the rows of scope ``"group"``) in deepmd-kit 3.2.0's order, so that
 #: checkpoints move both ways and messages list them as they always did.
 GROUP_KEYS: tuple[str, ...] = (

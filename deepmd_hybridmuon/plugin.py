@@ -269,7 +269,8 @@ def patch_trainer(module: Any) -> None:
         saved = args[0] if args else kwargs.get("optimizer_state_dict")
         ours = isinstance(local, HybridMuonOptimizer)
         written_by_ours = written_by_hybridmuon(saved)
-        if getattr(self, "restart_training", True) and written_by_ours is not None and written_by_ours != ours:
+        restart = getattr(self, "restart_training", True)
+        if restart and written_by_ours is not None and written_by_ours != ours:
             # --restart from a checkpoint of another optimizer type: its state cannot drive this one
             # (AdamW has no momentum_buffer, HybridMuon no betas), so the optimizer starts afresh.
             log.warning(
@@ -281,7 +282,7 @@ def patch_trainer(module: Any) -> None:
             return None
         if not ours:
             return load(self, *args, **kwargs)
-        if local is not self.optimizer and saved is not None and getattr(self, "restart_training", True):
+        if local is not self.optimizer and saved is not None and restart:
             # ZeRO-1 copies the state into this rank's optimizer itself, past our load_state_dict's
             # checks: the same checks first, against every parameter (ZeRO's own param_groups).
             check_state_dict(saved, self.optimizer.param_groups, local._describe)
