@@ -41,10 +41,12 @@ from common import (
 )
 
 
-def one_run(cfg: dict[str, Any], rundir: Path, cache: Path, timeout: float) -> dict[str, Any]:
+def one_run(cfg: dict[str, Any], rundir: Path, cache: Path, timeout: float, profile: str) -> dict[str, Any]:
     """One timed ``dp --pt train`` run of ``cfg`` in ``rundir`` with Triton's cache at ``cache``."""
     env = prepare_run(rundir, cfg, builtin=False)
-    env.update(TRITON_CACHE_DIR=str(cache), STEP_TIMES_DIR=str(rundir / "times"), WATCH_COMPILES="1", PROFILE_FIRST="1")
+    env.update(TRITON_CACHE_DIR=str(cache), STEP_TIMES_DIR=str(rundir / "times"), WATCH_COMPILES="1")
+    if profile:  # those steps then run under cProfile, which slows them
+        env["PROFILE_STEPS"] = profile
     cmd = [sys.executable, str(TIMED_DP), "--pt", "train", "input.json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=rundir, env=env, capture_output=True, text=True, timeout=timeout, check=False)
@@ -77,13 +79,19 @@ def one_run(cfg: dict[str, Any], rundir: Path, cache: Path, timeout: float) -> d
         "kernels_from_step": int(switch.group(1)) if switch else None,
         "s_per_batch": parse_log(log)["average_s_per_batch"],
         "compiled_in_training_process": [(c["kernel"], c["after_steps"], c["attrs"]) for c in missed],
+        # what fixed each compiled or loaded binary, to compare a miss with the variant the compile process made
+        "kernel_events": [
+            {k: c.get(k) for k in ("kernel", "cache_hit", "after_steps", "signature", "attrs", "constants", "options")}
+            for c in compiles
+            if c["what"] == "kernel"
+        ],
         "launchers_built_in_training_process": [(c["after_steps"], round(c["seconds"], 2)) for c in launchers],
         "kernel_loads": sum(c["what"] == "kernel" and c["cache_hit"] for c in compiles),
         "launcher_names": [c["name"] for c in launchers],
         # the optimizer step on the GPU and the rest of the training step, before and after the switch
         "step_gpu_ms_median_before_after": [median(gpu[1:k]), median(gpu[k + 3 :])],
         "between_host_ms_median_before_after": [median(between[1:k]), median(between[k + 3 :])],
-        "first_step_profile": times.get("_first_step_profile"),
+        "step_profiles": times.get("_step_profiles"),
         "log_lines": [line for line in log.splitlines() if "Triton" in line][:6],
         "host_ms": host,
         "tail": log.strip().splitlines()[-5:] if proc.returncode else [],
@@ -104,6 +112,7 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", default="", help="steps to run under cProfile, e.g. 0,1 (slows them)")
     args = ap.parse_args()
 
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="cold_start_"))).resolve()
@@ -137,7 +146,7 @@ def main() -> int:
                 stat_file=workdir / f"{label}.hdf5",
                 opt_kw=opt_kw,
             )
-            run = one_run(cfg, workdir / f"{label}_{kind}{i}", cache, args.timeout)
+            run = one_run(cfg, workdir / f"{label}_{kind}{i}", cache, args.timeout, args.profile)
             run.update(config=label, cache=kind)
             result["runs"].append(run)
             first = run["first_step_ms"]

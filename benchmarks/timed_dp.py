@@ -23,8 +23,9 @@ its specialization, and how many steps of our optimizer had run) and every host 
 built with the C compiler (``triton.runtime.build._build``, with its seconds): the evidence
 of work done in the training process rather than in the compile process.
 
-With ``PROFILE_FIRST=1`` the first step of our optimizer runs under cProfile; the JSON holds
-its 25 costliest calls (cumulative) under ``"_first_step_profile"``.
+With ``PROFILE_STEPS=0,1`` (indices of our optimizer's steps) those steps run under cProfile; the
+JSON holds, per step, its 40 costliest calls by cumulative time and 25 by own time under
+``"_step_profiles"``.
 
 With ``WAIT_FOR_KERNELS=<seconds>``, after the first step of deepmd-hybridmuon's optimizer
 the run waits (at most that long) for the Triton kernels to compile, so that they land in
@@ -75,6 +76,8 @@ def _watch_compiles(record: list[dict[str, Any]], ours_steps: Any) -> None:
                 "cache_hit": cache_hit,
                 "signature": repr(getattr(src, "signature", None)),
                 "attrs": repr(getattr(src, "attrs", None)),
+                "constants": repr(getattr(src, "constants", None)),
+                "options": {k: v for k, v in dict(metadata or {}).items() if isinstance(v, (int, float, str, bool))},
                 "after_steps": ours_steps(),
                 "at_s": time.perf_counter(),
             }
@@ -108,7 +111,8 @@ def main() -> int:
 
     if os.environ.get("WATCH_COMPILES") == "1" and cuda:
         _watch_compiles(compiles, ours_steps)
-    profiling = {"wanted": os.environ.get("PROFILE_FIRST") == "1", "profile": None, "text": None}
+    wanted = {int(i) for i in os.environ.get("PROFILE_STEPS", "").split(",") if i.strip()}
+    profiling: dict[str, Any] = {"profile": None, "texts": {}}
 
     def ours(opt: torch.optim.Optimizer) -> bool:
         return type(opt).__module__.startswith("deepmd_hybridmuon")
@@ -127,10 +131,10 @@ def main() -> int:
             if end is not None and start is not None:
                 entry.between.append((end, start))
         entry.open = (start, now)
-        if profiling["wanted"] and ours(opt):
+        if ours(opt) and ours_steps() in wanted:
             import cProfile
 
-            profiling["wanted"], profiling["profile"] = False, cProfile.Profile()
+            profiling["profile"] = cProfile.Profile()
             profiling["profile"].enable()
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -140,8 +144,11 @@ def main() -> int:
 
             profiling["profile"].disable()
             text = io.StringIO()
-            pstats.Stats(profiling["profile"], stream=text).sort_stats("cumulative").print_stats(25)
-            profiling["profile"], profiling["text"] = None, text.getvalue()
+            stats = pstats.Stats(profiling["profile"], stream=text)
+            stats.sort_stats("cumulative").print_stats(40)
+            stats.sort_stats("tottime").print_stats(25)
+            profiling["profile"] = None
+            profiling["texts"][ours_steps()] = text.getvalue()
         entry = steps.get(id(opt))
         if entry is not None and entry.open is not None:
             start, t0 = entry.open
@@ -181,8 +188,8 @@ def main() -> int:
                 }
             if compiles:
                 times["_compiles"] = compiles
-            if profiling["text"]:
-                times["_first_step_profile"] = profiling["text"]
+            if profiling["texts"]:
+                times["_step_profiles"] = profiling["texts"]
             path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(times))

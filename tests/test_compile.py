@@ -8,6 +8,7 @@ the "compilation" is a stand-in child process, or the real worker failing for wa
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import subprocess
@@ -321,3 +322,36 @@ def test_the_benchmarks_read_the_log_lines_the_package_writes():
 
     assert common.COMPILING_MARK in K.compile.COMPILING_LOG % 3
     assert common.KERNELS_FROM_STEP_RE.search(KERNELS_IN_USE_LOG % 7).group(1) == "7"
+
+
+# Hashes every host kernel's Triton cache key, the panel Gram kernel first (as a compile process
+# did) or last (after the others, as the training process did), and prints them.
+_CACHE_KEYS = textwrap.dedent(
+    """
+    import json, sys
+    from deepmd_hybridmuon.kernels import common
+    kernels = [f for f in common.JITTED if f.fn.__name__ in common.ALIGNED]
+    kernels.sort(key=lambda f: (f.fn.__name__ == "_panel_gram_kernel") == (sys.argv[1] == "gram-last"))
+    print(json.dumps({f.fn.__name__: f.cache_key for f in kernels}))
+    """
+)
+
+
+def test_a_kernels_cache_key_does_not_depend_on_the_order_of_launches():
+    """The compile process and the training process find each variant under one Triton cache key.
+
+    Triton hashes a kernel lazily and folds in only the globals of helpers already hashed in
+    that process: hashed first, the panel Gram kernel missed ``_matrix_meta``'s constants and was
+    compiled again in the training process (kernels.common.settle_hashes).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    keys = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", _CACHE_KEYS, order], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
+        for order in ("gram-first", "gram-last")
+    ]
+    assert keys[0] == keys[1]
+    assert len(keys[0]) == len(K.common.ALIGNED)  # every host kernel

@@ -85,6 +85,8 @@ from .phased import (
 )
 from .spans import SPAN, SPAN_COLS, SpanColumn, apply_updates, gather, momentum_update, span_table
 
+common.settle_hashes()  # the same cache keys in every process (common.settle_hashes)
+
 __all__ = [
     "CHUNK",
     "DST",

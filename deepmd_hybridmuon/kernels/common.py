@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
@@ -68,6 +69,45 @@ _META_BLOCK = tl.constexpr(int(MetaColumn.BLOCK))
 
 #: The pointer arguments each host-launched kernel takes as 16-byte aligned (:func:`kernel`), by kernel name.
 ALIGNED: dict[str, tuple[str, ...]] = {}
+#: Every Triton function of the kernel modules (:func:`helper`, :func:`kernel`), in the order of definition.
+JITTED: list[Any] = []
+
+
+def helper(fn: Callable[..., Any]) -> Any:
+    """``triton.jit`` for a function called from the kernels (inlined into them), noted in :data:`JITTED`."""
+    jitted = triton.jit(fn)
+    JITTED.append(jitted)
+    return jitted
+
+
+def settle_hashes() -> None:
+    """Hash every Triton function of the package now, each after the helpers it calls.
+
+    A kernel's Triton cache key includes the constant globals its helpers read, but Triton 3.6
+    gathers a helper's globals only if that helper was hashed before, in that process; hashing
+    is lazy, at a function's first launch. So the same kernel got two cache keys, depending on
+    which kernels a process had launched before. Measured (``dp --pt train`` of DPA-3 water,
+    cold cache): the compile process made ``_panel_gram_kernel`` without the ``_META_*``
+    constants of ``_matrix_meta``; the training process had launched the Newton–Schulz kernel
+    (which calls ``_matrix_meta``) first, missed the cache, and compiled the kernel again in the
+    training loop (a step of 0.35 s). Importing :mod:`deepmd_hybridmuon.kernels` calls this, so
+    every process hashes everything in the same way before its first launch.
+    """
+    done: set[int] = set()
+
+    def settle(fn: Any) -> None:
+        if id(fn) in done:
+            return
+        done.add(id(fn))
+        words = set(re.findall(r"\w+", fn.src))
+        for name, value in fn.fn.__globals__.items():
+            if name in words and isinstance(value, triton.runtime.JITFunction):
+                settle(value)
+        fn.cache_key  # noqa: B018  (computed and kept by Triton)
+
+    for fn in JITTED:
+        if isinstance(fn, triton.runtime.JITFunction):  # not under the interpreter
+            settle(fn)
 
 
 def kernel(*aligned: str) -> Callable[[Callable[..., None]], Any]:
@@ -95,7 +135,9 @@ def kernel(*aligned: str) -> Callable[[Callable[..., None]], Any]:
         # A pointer's value specialisation is its alignment: the aligned ones keep it.
         loose = [name for name in values if name not in aligned]
         ALIGNED[fn.__name__] = tuple(aligned)
-        return triton.jit(fn, do_not_specialize=loose, do_not_specialize_on_alignment=loose)
+        jitted = triton.jit(fn, do_not_specialize=loose, do_not_specialize_on_alignment=loose)
+        JITTED.append(jitted)
+        return jitted
 
     return jit
 
@@ -145,19 +187,19 @@ def _warps(bm: int) -> int:
     return 8 if bm >= 128 else 4
 
 
-@triton.jit
+@helper
 def _load_chunk(base, rows, cols, m, n, s_r, s_c):
     mask = (rows < m)[:, None] & (cols < n)[None, :]
     return tl.load(base + rows[:, None] * s_r + cols[None, :] * s_c, mask=mask, other=0.0)
 
 
-@triton.jit
+@helper
 def _store_chunk(base, value, rows, cols, m, n, s_r, s_c):
     mask = (rows < m)[:, None] & (cols < n)[None, :]
     tl.store(base + rows[:, None] * s_r + cols[None, :] * s_c, value, mask=mask)
 
 
-@triton.jit
+@helper
 def _matrix_meta(meta_ptr, i):
     """Row ``i`` of the metadata table (:class:`MetaColumn`): src, work, m, n, row and column stride, block."""
     meta = meta_ptr + i * _META_COLS
@@ -172,7 +214,7 @@ def _matrix_meta(meta_ptr, i):
     )
 
 
-@triton.jit
+@helper
 def _inverse_norm(sum_sq, eps, GRAM: tl.constexpr):
     """1 / ||G||: with ``eps`` added (Gram reference) or as a floor (standard reference)."""
     norm = tl.sqrt(sum_sq)
@@ -181,7 +223,7 @@ def _inverse_norm(sum_sq, eps, GRAM: tl.constexpr):
     return 1.0 / tl.maximum(norm, eps)
 
 
-@triton.jit
+@helper
 def _quintic_polynomial(A, coef_ptr, k):
     """b A + c A^2 of iteration ``k`` (the ``a X`` term is added by the caller), in A's dtype."""
     b = tl.load(coef_ptr + 3 * k + 1)
@@ -189,7 +231,7 @@ def _quintic_polynomial(A, coef_ptr, k):
     return (c * tl.dot(A, A) + b * A.to(tl.float32)).to(A.dtype)
 
 
-@triton.jit
+@helper
 def _polar_express_step(R, Q, eye, coef_ptr, k: tl.constexpr, FRESH_Q: tl.constexpr, UPDATE_R: tl.constexpr):
     """Iteration ``k`` of the Gram form: Z = b R + c R^2, Q <- Q (a I + Z), R <- (a I + Z) R (a I + Z).
 

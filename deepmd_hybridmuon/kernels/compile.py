@@ -10,6 +10,9 @@ per step (tens of milliseconds each), and the engine switches to them once all a
   value specialisation (:func:`.common.kernel`), so a variant is fixed by what those
   declarations hold; the compile process warms each one up from them, and the engine's real
   launches find exactly those binaries.
+* Triton hashes a kernel together with the helpers it calls, and the result depended on which
+  kernels a process had launched before; importing the kernels hashes them all in one fixed
+  order (:func:`.common.settle_hashes`), so the child and the training process agree.
 * The child also builds each launch's host launcher (a C module Triton builds with the system
   compiler at a kernel's first launch), so that the training process only loads it.
 * Triton's one-time set-up of a process (a hash of its own library, its driver module) runs
@@ -228,8 +231,9 @@ class KernelRegistry:
         """Start Triton's one-time set-up of a process off the training thread (once).
 
         Triton's first cache lookup in a process hashes its own 400 MB library
-        (``triton_key``, 0.4-0.7 s), and its first launch sets up its CUDA driver module and
-        asks ``ptxas`` its version: one step held for half a second in the training thread.
+        (``triton_key``, 0.4-0.7 s), its first launch imports its gluon package, sets up its
+        CUDA driver module and asks ``ptxas`` its version: one step held for half a second in
+        the training thread.
         A thread does it as soon as kernels are asked for, and no variant loads until it is
         done. The thread reads and hashes files, loads a module and runs subprocesses (no
         compiler runs inside this process: nothing native to cut short at exit), and is no
@@ -246,6 +250,10 @@ class KernelRegistry:
 
         def set_up() -> None:
             triton_key()
+            # Triton's launch binder imports its gluon package at the first specialisation
+            # (0.12 s of Python, measured in the first variant load of a DPA-3 run).
+            with contextlib.suppress(ImportError):
+                import triton.experimental.gluon  # noqa: F401
             # Best effort: without it the first load does this in the training thread.
             with contextlib.suppress(Exception):
                 torch.cuda.set_device(device)  # this thread's current device: the one the kernels run on
@@ -266,7 +274,7 @@ class KernelRegistry:
 
         Returns an object whose ``is_set()`` becomes true once they are all loaded in this
         process: at once on the CPU (Triton's interpreter compiles nothing) or when
-        ``background`` is off (they compile here before returning), else after the child has
+        ``background`` is off (they compile or load here before returning), else after the child has
         compiled the missing ones and one ``is_set()`` per variant has loaded it. ``None``
         when a variant failed to compile (the engine then keeps the torch path; the failure
         was logged once).
@@ -288,6 +296,11 @@ class KernelRegistry:
         cached = [key for key in new if self.ledger.has(key, device)]
         missing = [key for key in new if key not in cached]
         self.loadable.update(cached)
+        if not self.background:  # everything ready before returning, the cached variants too
+            if self.setup is not None:
+                self.setup.join()
+            for key in cached:
+                self._load(key)
         if missing and self.background:
             # A share whose process cannot start (an embedded interpreter, no memory) compiles
             # here, and only that share: the others are compiling already.

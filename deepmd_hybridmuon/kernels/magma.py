@@ -12,11 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
 
 from .. import functional as F
-from .common import kernel
+from .common import helper, kernel
 
 #: Elements per partial sum of the Magma kernel (a block spans one or more of them).
 MAGMA_CHUNK: int = 4096
@@ -24,7 +23,7 @@ MAGMA_CHUNK: int = 4096
 MAGMA_PARTIALS: int = 5
 
 
-@triton.jit
+@helper
 def _downscale_exponent(amax):
     """e = max(0, floor(log2(amax))) in float64 (0 for amax 0): amax 2^-e lies below 2 (functional.pow2_downscale)."""
     return tl.floor(tl.log2(tl.maximum(amax.to(tl.float64), 1.0)))

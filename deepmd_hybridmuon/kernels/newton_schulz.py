@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
 
 from .. import functional as F
@@ -37,13 +36,14 @@ from .common import (
     _store_chunk,
     _warps,
     gram_constants,
+    helper,
     kernel,
     resident,
 )
 from .panel import panelled
 
 
-@triton.jit
+@helper
 def _gram(work, rows, cols, m, n, BM: tl.constexpr, BN: tl.constexpr):
     """X X^T of the workspace matrix, float32 accumulation."""
     acc = tl.zeros((BM, BM), dtype=tl.float32)
@@ -53,7 +53,7 @@ def _gram(work, rows, cols, m, n, BM: tl.constexpr, BN: tl.constexpr):
     return acc
 
 
-@triton.jit
+@helper
 def _apply_left(work, T, rows, cols, m, n, alpha, BN: tl.constexpr):
     """X <- alpha X + T X in place, chunk by chunk (T is m x m, already in X's dtype)."""
     for c0 in range(0, n, BN):

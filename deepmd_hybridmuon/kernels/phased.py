@@ -33,11 +33,10 @@ from enum import IntEnum
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
 
 from .. import functional as F
-from .common import _inverse_norm, _load_chunk, _store_chunk, kernel
+from .common import _inverse_norm, _load_chunk, _store_chunk, helper, kernel
 
 #: Largest smaller side of the phased path; larger matrices stay on cuBLAS (the torch path).
 #: Measured on the H100 (``benchmarks/phased_time.py --sweep``, BENCHMARKS.md): the whole
@@ -127,7 +126,7 @@ _Q = tl.constexpr(int(PhaseColumn.Q))
 _DST = tl.constexpr(DST)
 
 
-@triton.jit
+@helper
 def _slot_ptr(work_ptr, i, SLOT: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, SQUARES: tl.constexpr):
     """Start of workspace slot ``SLOT`` of matrix ``i`` (row stride NP for slots 0 and 1, else MP)."""
     slab: tl.constexpr = 2 * MP * NP + SQUARES * MP * MP
@@ -135,7 +134,7 @@ def _slot_ptr(work_ptr, i, SLOT: tl.constexpr, MP: tl.constexpr, NP: tl.constexp
     return work_ptr + i * slab + offset
 
 
-@triton.jit
+@helper
 def _tile(base, r0, c0, STRIDE: tl.constexpr, BM: tl.constexpr):
     """A BM x BM tile of a padded slot (no mask: slots are padded to whole tiles)."""
     rows = r0 + tl.arange(0, BM)
@@ -143,7 +142,7 @@ def _tile(base, r0, c0, STRIDE: tl.constexpr, BM: tl.constexpr):
     return tl.load(base + rows[:, None] * STRIDE + cols[None, :], cache_modifier=".cg")
 
 
-@triton.jit
+@helper
 def _source_meta(meta_ptr, i):
     """Source offset, m, n and strides of matrix ``i`` (its metadata row, :class:`PhasedColumn`)."""
     row = meta_ptr + i * _PM_COLS
@@ -156,7 +155,7 @@ def _source_meta(meta_ptr, i):
     )
 
 
-@triton.jit
+@helper
 def _wide_tile(t, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
     """Matrix, first row and first column of m x n tile ``t``."""
     per: tl.constexpr = (MP // BM) * (NP // BM)
@@ -164,7 +163,7 @@ def _wide_tile(t, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
     return t // per, (rem // (NP // BM)) * BM, (rem % (NP // BM)) * BM
 
 
-@triton.jit
+@helper
 def _norm_tiles(src_ptr, meta_ptr, count, partial_ptr, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
     """Phase 0: the sum of squares of G over each m x n tile."""
     for t in range(tl.program_id(0), count * (MP // BM) * (NP // BM), tl.num_programs(0)):
@@ -175,7 +174,7 @@ def _norm_tiles(src_ptr, meta_ptr, count, partial_ptr, MP: tl.constexpr, NP: tl.
         tl.store(partial_ptr + t, tl.sum(g * g))
 
 
-@triton.jit
+@helper
 def _normalise_tiles(
     src_ptr, work_ptr, meta_ptr, count, partial_ptr, eps, X0: tl.constexpr, GRAM: tl.constexpr,
     SQUARES: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
@@ -196,7 +195,7 @@ def _normalise_tiles(
         tl.store(base + rows[:, None] * NP + cols[None, :], x)
 
 
-@triton.jit
+@helper
 def _products(
     dst_ptr, work_ptr, meta_ptr, count, coef_ptr, scale_ptr,
     K: tl.constexpr, OUT: tl.constexpr, L: tl.constexpr, M: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
@@ -253,7 +252,7 @@ def _products(
             tl.store(q_base + rows[:, None] * MP + cols[None, :], q_tile.to(wdtype))
 
 
-@triton.jit
+@helper
 def _grid_barrier(counter_ptr, target):
     """Wait until ``target`` arrivals were counted (every program of the launch, this phase)."""
     tl.debug_barrier()  # this program's stores are done

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import kernel
+from .common import helper, kernel
 
 #: Elements per program of the address-table kernels.
 SPAN: int = 8192
@@ -68,7 +68,7 @@ def span_table(numels: list[int], decays: list[int] | None = None) -> list[list[
     return spans
 
 
-@triton.jit
+@helper
 def _span(spans_ptr, i):
     """Row ``i`` of the span table: tensor, first, stop, offset, decay index."""
     row = spans_ptr + i * _SPAN_COLS
@@ -102,7 +102,7 @@ def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, finite_ptr, BLOCK: tl.constexp
     tl.store(finite_ptr + s, 1.0 - tl.max(bad, axis=0).to(tl.float32))
 
 
-@triton.jit
+@helper
 def _lerp(a, b, w):
     """torch.lerp(a, b, w): a + w (b - a) for |w| < 0.5, else b - (b - a)(1 - w)."""
     return tl.where(tl.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))
