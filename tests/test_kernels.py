@@ -303,7 +303,8 @@ def test_gather_and_apply_match_torch_bitwise(kernels, dtype):
     grads = [torch.randn(n, generator=gen, dtype=dtype).to(device) for n in sizes]
     params = [torch.randn(n, generator=gen, dtype=dtype).to(device) for n in sizes]
     decay_index = [0, 1, 2, 1]
-    spans = torch.tensor(K.span_table(sizes, decay_index), dtype=torch.int64, device=device)
+    adam = [False, False, False, True]
+    spans = torch.tensor(K.span_table(sizes, decay_index, adam), dtype=torch.int64, device=device)
     flat = torch.full((sum(sizes),), float("nan"), dtype=dtype, device=device)
     finite = torch.full((spans.size(0),), -1.0, device=device)
     addresses = torch.tensor([g.data_ptr() for g in grads], device=device)
@@ -321,6 +322,16 @@ def test_gather_and_apply_match_torch_bitwise(kernels, dtype):
     grads[3][0], grads[1][0] = -limit.to(dtype), below.to(dtype)
     K.gather(addresses, spans, flat, finite)
     assert finite.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    # An Adam tensor's limit is lower: ADAM_GRAD_LIMIT stops it, the largest number below passes.
+    adam_limit = torch.tensor(F.ADAM_GRAD_LIMIT, dtype=torch.float32)
+    grads[3][0], grads[1][0] = 1.0, 1.0
+    grads[3][K.SPAN + 2] = torch.nextafter(adam_limit, torch.zeros(())).to(dtype)
+    K.gather(addresses, spans, flat, finite)
+    assert finite.tolist() == [1.0] * spans.size(0)
+    grads[3][K.SPAN + 2] = adam_limit.to(dtype)
+    grads[0][0] = adam_limit.to(dtype)  # not an Adam tensor: below its limit
+    K.gather(addresses, spans, flat, finite)
+    assert finite.tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
 
     decays = torch.tensor([1.0, 0.999, 0.5], dtype=dtype, device=device)
     delta = torch.randn(sum(sizes), generator=gen, dtype=dtype).to(device)
@@ -402,6 +413,25 @@ def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_th
     assert torch.equal(params[-1], before[-1]) == (scale is None)
     for entry in opt.state.values():
         assert all(torch.isfinite(v).all() for v in entry.values() if torch.is_tensor(v))
+
+
+def test_adam_gradient_beyond_its_limit_skips_the_step_on_the_kernels(kernels):
+    """An Adam gradient at ADAM_GRAD_LIMIT stops the whole step on the Triton path too (the gather kernel's flag)."""
+    from deepmd_hybridmuon import HybridMuonOptimizer
+
+    _, device = kernels
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in ((32, 48), (7,))]
+    opt = HybridMuonOptimizer(params, lr=0.5)
+    before = [p.detach().clone() for p in params]
+    for top in (F.ADAM_GRAD_LIMIT, F.ADAM_GRAD_LIMIT / 2):  # skipped, then taken
+        params[0].grad = torch.randn(32, 48, generator=gen).to(device)
+        params[1].grad = torch.full((7,), top).to(device)
+        opt.step()
+        assert opt.execution_table()[0]["kernels"] == "triton"
+        moved = [not torch.equal(p, b) for p, b in zip(params, before, strict=True)]
+        assert moved == [top < F.ADAM_GRAD_LIMIT] * 2
+        assert all(torch.isfinite(p).all() for p in params)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

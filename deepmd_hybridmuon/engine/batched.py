@@ -112,11 +112,9 @@ class BatchedStep:
         lanes = lanes or Lanes()
         L = self.layout
         # ok: 1.0, or 0.0 when a gradient is not finite: the step is then skipped (functional.py).
-        if L.triton:  # the copy in also flags non-finite spans
+        if L.triton:  # the copy in also flags the spans a step cannot take (functional.finite_gate)
             self.K.gather(self.inputs.addresses, L.spans, L.grad, L.span_finite)
             ok = self.inputs.ok if self.shared_gate else L.span_finite.amin()
-            if L.adam and not self.shared_gate:  # the Adam gradients' limit (functional.finite_gate)
-                ok = torch.minimum(ok, F.finite_gate([], [L.adam_grad]))
         else:
             ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
         scalars = self.inputs.scalars

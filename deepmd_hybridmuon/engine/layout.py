@@ -332,7 +332,8 @@ class Layout:
         adamw = {id(p) for p in self.adamw} if self.weight_decay else set()
         decays = [2 if id(p) in adamw else 0 for p in self.adam]
         decays += [1 if self.weight_decay else 0] * len(self.muon)
-        self.spans = torch.tensor(K.span_table(self.numels, decays), dtype=torch.int64, **kw)
+        adam = [True] * len(self.adam) + [False] * len(self.muon)
+        self.spans = torch.tensor(K.span_table(self.numels, decays, adam), dtype=torch.int64, **kw)
         self.span_finite = torch.ones(self.spans.size(0), dtype=torch.float32, **kw)
         self.update = torch.zeros_like(self.momentum)
         self.param_addresses = torch.tensor(self.storage, dtype=torch.int64, **kw)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import functional as F
 from .common import helper, kernel
 
 #: Elements per program of the address-table kernels.
@@ -33,7 +34,8 @@ class SpanColumn(IntEnum):
 
     ``TENSOR``: index in the address table; ``FIRST``, ``STOP``: the span's elements in that
     tensor; ``OFFSET``: where its first element lies in the flat buffer; ``DECAY``: index in
-    the decay table (apply only: 0 none, 1 Muon, 2 AdamW).
+    the decay table (apply only: 0 none, 1 Muon, 2 AdamW); ``ADAM``: 1 for a tensor on an
+    Adam route (gather only: its gradient limit is ``functional.ADAM_GRAD_LIMIT``).
     """
 
     TENSOR = 0
@@ -41,10 +43,11 @@ class SpanColumn(IntEnum):
     STOP = 2
     OFFSET = 3
     DECAY = 4
+    ADAM = 5
 
 
 #: Integers per span (:class:`SpanColumn`).
-SPAN_COLS: int = 5
+SPAN_COLS: int = 6
 
 _SPAN_COLS = tl.constexpr(SPAN_COLS)
 _SPAN_TENSOR = tl.constexpr(int(SpanColumn.TENSOR))
@@ -52,10 +55,18 @@ _SPAN_FIRST = tl.constexpr(int(SpanColumn.FIRST))
 _SPAN_STOP = tl.constexpr(int(SpanColumn.STOP))
 _SPAN_OFFSET = tl.constexpr(int(SpanColumn.OFFSET))
 _SPAN_DECAY = tl.constexpr(int(SpanColumn.DECAY))
+_SPAN_ADAM = tl.constexpr(int(SpanColumn.ADAM))
+# x times these overflows float32 exactly from the gradient limits on (functional.finite_gate).
+_GRAD_LIMIT_PROBE = tl.constexpr(F._GRAD_LIMIT_PROBE)
+_ADAM_LIMIT_PROBE = tl.constexpr(F._ADAM_LIMIT_PROBE)
 
 
-def span_table(numels: list[int], decays: list[int] | None = None) -> list[list[int]]:
-    """Spans of tensors laid end to end in a flat buffer (:class:`SpanColumn` rows)."""
+def span_table(numels: list[int], decays: list[int] | None = None, adam: list[bool] | None = None) -> list[list[int]]:
+    """Spans of tensors laid end to end in a flat buffer (:class:`SpanColumn` rows).
+
+    ``decays``: each tensor's index in the decay table (default 0); ``adam``: whether it is on
+    an Adam route (default no).
+    """
     spans, offset = [], 0
     for j, numel in enumerate(numels):
         for start in range(0, numel, SPAN):
@@ -63,6 +74,7 @@ def span_table(numels: list[int], decays: list[int] | None = None) -> list[list[
             row[SpanColumn.TENSOR], row[SpanColumn.FIRST], row[SpanColumn.STOP] = j, start, min(start + SPAN, numel)
             row[SpanColumn.OFFSET] = offset + start
             row[SpanColumn.DECAY] = decays[j] if decays is not None else 0
+            row[SpanColumn.ADAM] = int(adam[j]) if adam is not None else 0
             spans.append(row)
         offset += numel
     return spans
@@ -85,18 +97,20 @@ def _span(spans_ptr, i):
 def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, finite_ptr, BLOCK: tl.constexpr):
     """flat[offset:...] = tensor[first:stop] for one span; finite[span] = 1.0 if the step can take it, else 0.0.
 
-    It can when every element is finite and below ``functional.GRAD_LIMIT`` (``2 x`` in float32
-    overflows from there on, as in ``functional.finite_gate``).
+    It can when every element is finite and below ``functional.GRAD_LIMIT``, or below
+    ``functional.ADAM_GRAD_LIMIT`` for an Adam span (``x`` times the limit's probe overflows
+    float32 from there on, as in ``functional.finite_gate``).
     """
     s = tl.program_id(0)
     j, first, stop, offset, _ = _span(spans_ptr, s)
+    probe = tl.where(tl.load(spans_ptr + s * _SPAN_COLS + _SPAN_ADAM) != 0, _ADAM_LIMIT_PROBE, _GRAD_LIMIT_PROBE)
     src = tl.load(addr_ptr + j).to(tl.pointer_type(flat_ptr.dtype.element_ty))
     bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for e in range(first, stop, BLOCK):
         idx = e + tl.arange(0, BLOCK)
         mask = idx < stop
         x = tl.load(src + idx, mask=mask, other=0.0)
-        y = x.to(tl.float32) * 2.0
+        y = x.to(tl.float32) * probe
         bad = tl.maximum(bad, ((y - y) != 0).to(tl.int32))  # y - y is NaN for an infinite or NaN y
         tl.store(flat_ptr + offset - first + idx, x, mask=mask)
     tl.store(finite_ptr + s, 1.0 - tl.max(bad, axis=0).to(tl.float32))
@@ -145,8 +159,9 @@ def gather(addresses: torch.Tensor, spans: torch.Tensor, flat: torch.Tensor, fin
     """Copy the tensors at ``addresses`` (int64, contiguous, ``flat``'s dtype) into ``flat`` (:func:`span_table`).
 
     ``finite`` (float32, one per span) gets 1.0 for a span whose elements are all finite and below
-    ``functional.GRAD_LIMIT`` in magnitude, else 0.0. ``spans``, ``flat`` and ``finite`` are tensors
-    of their own, never views at an offset (the kernel is compiled for their alignment).
+    ``functional.GRAD_LIMIT`` in magnitude (``ADAM_GRAD_LIMIT`` for an Adam span), else 0.0.
+    ``spans``, ``flat`` and ``finite`` are tensors of their own, never views at an offset (the
+    kernel is compiled for their alignment).
     """
     _gather_kernel[(spans.size(0),)](addresses, spans, flat, finite, **_SPAN_OPTIONS)
 
