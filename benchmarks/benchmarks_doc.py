@@ -305,37 +305,32 @@ def step_alone() -> str:
 
 # ------------------------------------------------------------------------------- cold start
 
-COLD = ["cold_start_dpa3_h100_2026-11-25_a4f09b7.json", "cold_start_dpa3_h100_2026-11-25.json"]
-
-
-def cold_runs() -> list[tuple[str, str, dict[str, Any]]]:
-    """(file, cache, run): the runs of each file, cold then warm."""
-    out = []
-    for name in COLD:
-        for i, r in enumerate(load(name)["runs"]):
-            out.append((name, r.get("cache", ("cold", "warm")[i]), r))
-    return out
+COLD = ["cold_start_dpa3_dpa4_h200_2026-11-26.json", "cold_start_dpa4_defaults_h200_2026-11-26.json"]
 
 
 def cold_start() -> str:
     rows = []
-    for name, cache, r in cold_runs():
-        compiled = len(r.get("compiled_in_training_process") or [])
-        rows.append(
-            [
-                commit(name),
-                f"{cache} Triton cache",
-                f"{r['first_step_ms']:.0f}",
-                f"{r['slowest_later_step_ms']:,.0f} (step {r['slowest_later_step']})",
-                f"{r['s_per_batch']:.4f}",
-                str(compiled),
-            ]
-        )
+    for name in COLD:
+        for r in load(name)["runs"]:
+            rows.append(
+                [
+                    r["config"].replace("_", " "),
+                    f"{r['cache']} Triton cache",
+                    f"{r['first_step_ms']:.0f}",
+                    f"{r['slowest_later_step_ms']:,.0f} (step {r['slowest_later_step']})",
+                    str(r["steps_over_100ms_after_first"]),
+                    str(r["kernels_from_step"]),
+                    f"{r['s_per_batch']:.4f}",
+                    str(len(r.get("compiled_in_training_process") or [])),
+                ]
+            )
     head = [
-        "commit",
+        "model",
         "run",
         "first step ms",
         "slowest later step ms",
+        "later steps > 100 ms",
+        "Triton kernels from step",
         "s/batch",
         "kernels compiled in training process",
     ]
