@@ -111,7 +111,8 @@ class BatchedStep:
         """All the arithmetic of the step; reads only the layout's buffers and :attr:`inputs`."""
         lanes = lanes or Lanes()
         L = self.layout
-        # ok: 1.0, or 0.0 when a gradient is not finite: the step is then skipped (functional.py).
+        # ok: 1.0, or 0.0 when a gradient is not finite or beyond its limit: the step is then skipped
+        # (functional.finite_gate).
         if L.triton:  # the copy in also flags the spans a step cannot take (functional.finite_gate)
             self.K.gather(self.inputs.addresses, L.spans, L.grad, L.span_finite)
             ok = self.inputs.ok if self.shared_gate else L.span_finite.amin()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
@@ -99,9 +98,9 @@ def settle_hashes() -> None:
         if id(fn) in done:
             return
         done.add(id(fn))
-        words = set(re.findall(r"\w+", fn.src))
-        for name, value in fn.fn.__globals__.items():
-            if name in words and isinstance(value, triton.runtime.JITFunction):
+        for name in fn.fn.__code__.co_names:  # the globals (and attributes) the function names
+            value = fn.fn.__globals__.get(name)
+            if isinstance(value, triton.runtime.JITFunction):
                 settle(value)
         fn.cache_key  # noqa: B018  (computed and kept by Triton)
 

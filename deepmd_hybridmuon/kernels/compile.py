@@ -4,6 +4,8 @@ Contract. The training process never compiles a kernel and never builds a launch
 processes (:func:`compile_worker`, up to :data:`WORKERS`) do both into Triton's disk cache, while the engine steps
 with the torch kernels; the training process then loads the variants from that cache, one
 per step (tens of milliseconds each), and the engine switches to them once all are loaded.
+The one thing built in the training process is Triton's own driver module (``cuda_utils``, once
+per machine, in the set-up thread below).
 
 * A variant is identified by a key (:func:`_launch_key` plus device index and dtype) and
   made of the launches :func:`_launches` declares for it. The launched kernels take no
@@ -252,7 +254,7 @@ class KernelRegistry:
             triton_key()
             # Triton's launch binder imports its gluon package at the first specialisation
             # (0.12 s of Python, measured in the first variant load of a DPA-3 run).
-            with contextlib.suppress(ImportError):
+            with contextlib.suppress(Exception):  # best effort, as below
                 import triton.experimental.gluon  # noqa: F401
             # Best effort: without it the first load does this in the training thread.
             with contextlib.suppress(Exception):
