@@ -29,6 +29,7 @@ Scenarios
 from __future__ import annotations
 
 import copy
+import math
 import os
 import socket
 import sys
@@ -65,6 +66,8 @@ NAN_STEP = 1
 DDP_STEPS = 3
 #: FSDP2: options of the second sharded run (all but the defaults).
 OTHER_OPTIONS = {"magma_muon": False, "enable_gram": False, "muon_mode": "flat", "lr_adjust": 2.0, "weight_decay": 0.01}
+#: FSDP2: largest Muon gradient element of the huge-gradient steps (float32's largest number last).
+HUGE_SCALES = (1e20, 1e30, float(torch.finfo(torch.float32).max))
 #: Seconds the pair of processes may take before the tests give up on it.
 SPAWN_TIMEOUT = 240
 
@@ -438,6 +441,30 @@ def _scenario_fsdp2(rank: int, outdir: str) -> None:
     for k in range(STEPS_BEFORE + STEPS_AFTER):
         step(named4, opt4, k)
     results["other_end"] = _full(named4)
+
+    # Huge but finite Muon gradients, one step each from fresh state, and the same gradients
+    # scaled down by a power of two (exact) to about 1; the Adam routes get the unscaled
+    # gradient. See test_fsdp2_huge_finite_muon_gradients.
+    huge = {}
+    for scale in HUGE_SCALES:
+        for down in (1.0, 2.0 ** -math.floor(math.log2(scale))):
+            _net5, named5, opt5 = sharded_net()
+            huge["start"] = _full(named5)
+            grads = []
+            for (name, p), g in zip(named5, _full_grads(named5, 0), strict=True):
+                top = g.abs().amax() if g.numel() else torch.zeros(())
+                grads.append(g / top * scale * down if _route(name, p.shape) == "muon" and top > 0 else g)
+            _shard_grads(named5, grads)
+            opt5.step()
+            key = scale if down == 1.0 else f"{scale} scaled down"
+            huge[key] = _full(named5)
+            huge[f"state_finite_{key}"] = all(
+                bool(torch.isfinite(v.to_local() if isinstance(v, DTensor) else v).all())
+                for st in opt5.state.values()
+                for v in st.values()
+                if isinstance(v, torch.Tensor)
+            )
+    results["huge"] = huge
     dist.barrier()
     _save(outdir, "fsdp2", rank, results)
 
@@ -905,6 +932,30 @@ def test_fsdp2_other_options_on_a_2d_mesh(run: _Run) -> None:
     ref = _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, implementation="loop", **OTHER_OPTIONS)
     _assert_exact(res["other_end"], ref["end"])
     _assert_exact(res["other_end"], run.result("fsdp2", 1)["other_end"])
+
+
+def test_fsdp2_huge_finite_muon_gradients(run: _Run) -> None:
+    """Muon gradients of 1e20 and 1e30 step as the same gradients scaled down to about 1; float32's largest skips.
+
+    Newton–Schulz and Magma's cosine are scale-invariant, and the arithmetic scales a matrix by a
+    power of two first, so a power-of-two scaling changes nothing, bitwise. (A scaling by another
+    factor rounds the inputs differently, and Newton–Schulz amplifies that rounding in the null
+    space of a rank-deficient matrix: measured, ``extra.square_lowrank``'s step at 1e20 differed from
+    its step at 1 by 1.17 times that step's size.) 2^127 and more is skipped like a non-finite
+    gradient (functional.GRAD_LIMIT).
+    """
+    huge = run.result("fsdp2", 0)["huge"]
+    start = huge["start"]
+    names = [n for n in start if start[n].numel() > 0]
+    muon = [n for n in names if _route(n, start[n].shape) == "muon"]
+    for scale in HUGE_SCALES[:-1]:
+        assert huge[f"state_finite_{scale}"], scale
+        assert all(torch.isfinite(huge[scale][n]).all() for n in names), scale
+        assert all(not torch.equal(huge[scale][n], start[n]) for n in muon)  # the step was taken
+        _assert_exact({n: huge[scale][n] for n in names}, {n: huge[f"{scale} scaled down"][n] for n in names})
+    top = HUGE_SCALES[-1]
+    assert huge[f"state_finite_{top}"]
+    _assert_exact({n: huge[top][n] for n in names}, {n: start[n] for n in names})  # skipped
 
 
 def test_fsdp2_state_layout(run: _Run, fsdp_reference: dict) -> None:
