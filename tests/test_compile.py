@@ -355,3 +355,28 @@ def test_a_kernels_cache_key_does_not_depend_on_the_order_of_launches():
     ]
     assert keys[0] == keys[1]
     assert len(keys[0]) == len(K.common.ALIGNED)  # every host kernel
+
+
+@pytest.mark.parametrize(
+    ("use_gram", "rows", "cols", "path"),
+    [
+        (True, 128, 128, "program"),  # resident: 128 x 128 in registers
+        (False, 64, 2048, "program"),  # the standard iteration streams a long matrix
+        (True, 64, 2048, "panel"),  # the Gram iteration splits it into column panels
+        (True, 129, 129, "phased"),
+        (False, 256, 1600, "phased"),
+        (True, 257, 300, None),  # the torch path
+    ],
+)
+def test_each_matrix_has_one_path_for_the_layout_and_the_registry(use_gram, rows, cols, path):
+    """kernels.launch_path decides; the layout's groups and the registry's variant keys follow it."""
+    from deepmd_hybridmuon.engine.layout import assign
+
+    assert K.launch_path(use_gram, rows, cols) == path
+    fused, phased, buckets = assign([(1, rows, cols)], K, use_gram, torch.device("cpu"))
+    assert (len(fused), len(phased), len(buckets)) == (path in ("program", "panel"), path == "phased", path is None)
+    if path is None:
+        with pytest.raises(ValueError, match="torch path"):
+            K.compile._launch_key(use_gram, rows, cols)
+    else:
+        assert K.compile._launch_key(use_gram, rows, cols)[0] == {"program": "ns"}.get(path, path)

@@ -111,8 +111,8 @@ def assign(
 ) -> tuple[list[Fused], list[Phased], list[Bucket]]:
     """Group the Muon matrices (``(batch, rows, cols)`` per parameter, in flat order) into paths.
 
-    With the kernels module ``K``: one program per matrix up to ``K.MAX_ROWS``, phased tiles
-    up to ``K.MAX_PHASED_ROWS``; the rest (everything without ``K``) into torch buckets.
+    With the kernels module ``K``: by ``K.launch_path`` (one program per matrix, panels or phased
+    tiles); the rest (everything without ``K``) into torch buckets.
     """
     fused: dict[tuple[bool, bool], Fused] = {}
     phased: dict[tuple[bool, int, int], Phased] = {}
@@ -121,7 +121,8 @@ def assign(
     for bs, rows, cols in views:
         gram = use_gram and rows != cols
         small, large = min(rows, cols), max(rows, cols)
-        if K is not None and small <= K.MAX_ROWS:
+        path = K.launch_path(gram, small, large) if K is not None else None
+        if path in ("program", "panel"):  # grouped as resident or not; each group's path: build_fused
             f = fused.setdefault((gram, K.resident(small, large)), Fused(gram))
             f.rows, f.cols = max(f.rows, small), max(f.cols, large)
             # wide orientation: (r, c) of the m x n view is element (c, r) of a tall matrix
@@ -129,7 +130,7 @@ def assign(
             for i in range(bs):
                 f.meta.append([offset + i * rows * cols, f.size, small, large, *strides, block + i, 0])
                 f.size += rows * cols
-        elif K is not None and small <= K.MAX_PHASED_ROWS:
+        elif path == "phased":
             shape = (K.padded(small), K.padded(large))
             g = phased.setdefault((gram, *shape), Phased(gram, shape))
             strides = (1, small) if rows > cols else (large, 1)
@@ -163,7 +164,7 @@ def build_fused(K: ModuleType, f: Fused, device: torch.device) -> None:
     size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
     f.work = torch.zeros(size, dtype=K.work_dtype(f.use_gram), **kw)
     f.coefs = K.coefficient_table(f.use_gram, device)
-    f.panelled = K.panelled(f.use_gram, f.rows, f.cols)
+    f.panelled = K.launch_path(f.use_gram, f.rows, f.cols) == "panel"
     if f.panelled:
         panels, first = K.panel_table(f.meta)
         bm = K.panel_block(f.rows)

@@ -21,6 +21,8 @@ Architecture, one module per kernel family:
 * :mod:`.phased`: smaller side up to :data:`MAX_PHASED_ROWS`: the iteration as a
   schedule of tiled products run by one persistent launch with grid barriers
   (:func:`orthogonalize_phased`).
+* :mod:`.paths`: which of these orthogonalises a matrix (:func:`launch_path`), decided once
+  for the engine's layout and the compile registry.
 * :mod:`.magma`: per-block Magma factors in two launches (:func:`magma_factors`).
 * :mod:`.spans`: gradients into the flat buffer, the momentum pass and the parameter
   update over tables of tensor addresses (:func:`gather`, :func:`momentum_update`,
@@ -66,6 +68,7 @@ from .panel import (
     panel_table,
     panelled,
 )
+from .paths import launch_path
 from .phased import (
     DST,
     MAX_PHASED_ROWS,
@@ -117,6 +120,7 @@ __all__ = [
     "compile_worker",
     "gather",
     "gram_constants",
+    "launch_path",
     "magma_chunks",
     "magma_factors",
     "momentum_update",

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from .common import MAX_ROWS, _warps, work_dtype
+from .common import _warps, work_dtype
 from .magma import _MAGMA_OPTIONS, _magma_finish_kernel, _magma_partial_kernel
 from .newton_schulz import _newton_schulz_kernel, _ns_options
 from .panel import (
@@ -61,8 +61,8 @@ from .panel import (
     _panel_reduce_kernel,
     panel_block,
     panel_launches,
-    panelled,
 )
+from .paths import launch_path
 from .phased import _phased_kernel, _phased_options, padded, phase_count
 from .spans import _SPAN_OPTIONS, _apply_kernel, _gather_kernel, _momentum_kernel
 
@@ -493,11 +493,14 @@ def _warm_up(key: Key, device: torch.device) -> None:
 
 
 def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
-    if rows > MAX_ROWS:
+    path = launch_path(use_gram, rows, cols)
+    if path == "phased":
         return ("phased", use_gram, (padded(rows), padded(cols)))
-    if panelled(use_gram, rows, cols):
+    if path == "panel":
         return ("panel", panel_block(rows))
-    return ("ns", tuple(sorted(_ns_options(rows, cols, use_gram).items())))
+    if path == "program":
+        return ("ns", tuple(sorted(_ns_options(rows, cols, use_gram).items())))
+    raise ValueError(f"no Triton kernel orthogonalises a {rows} x {cols} matrix (the torch path does)")
 
 
 def _launches(key: Key) -> list[Launch]:
