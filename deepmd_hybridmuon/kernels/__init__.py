@@ -66,7 +66,6 @@ from .panel import (
     panel_block,
     panel_launches,
     panel_table,
-    panelled,
 )
 from .paths import launch_path
 from .phased import (
@@ -131,7 +130,6 @@ __all__ = [
     "panel_block",
     "panel_launches",
     "panel_table",
-    "panelled",
     "phase_count",
     "phased_schedule",
     "phased_square_slots",

@@ -82,7 +82,7 @@ def span_table(numels: list[int], decays: list[int] | None = None, adam: list[bo
 
 @helper
 def _span(spans_ptr, i):
-    """Row ``i`` of the span table: tensor, first, stop, offset, decay index."""
+    """Row ``i`` of the span table: tensor, first, stop, offset, decay index, Adam flag."""
     row = spans_ptr + i * _SPAN_COLS
     return (
         tl.load(row + _SPAN_TENSOR),
@@ -90,6 +90,7 @@ def _span(spans_ptr, i):
         tl.load(row + _SPAN_STOP),
         tl.load(row + _SPAN_OFFSET),
         tl.load(row + _SPAN_DECAY),
+        tl.load(row + _SPAN_ADAM),
     )
 
 
@@ -102,8 +103,8 @@ def _gather_kernel(addr_ptr, spans_ptr, flat_ptr, finite_ptr, BLOCK: tl.constexp
     float32 from there on, as in ``functional.finite_gate``).
     """
     s = tl.program_id(0)
-    j, first, stop, offset, _ = _span(spans_ptr, s)
-    probe = tl.where(tl.load(spans_ptr + s * _SPAN_COLS + _SPAN_ADAM) != 0, _ADAM_LIMIT_PROBE, _GRAD_LIMIT_PROBE)
+    j, first, stop, offset, _, adam = _span(spans_ptr, s)
+    probe = tl.where(adam != 0, _ADAM_LIMIT_PROBE, _GRAD_LIMIT_PROBE)
     src = tl.load(addr_ptr + j).to(tl.pointer_type(flat_ptr.dtype.element_ty))
     bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for e in range(first, stop, BLOCK):
@@ -142,7 +143,7 @@ def _momentum_kernel(grad_ptr, mom_ptr, update_ptr, ok_ptr, beta_ptr, n, BLOCK: 
 @kernel("addr_ptr", "spans_ptr", "delta_ptr")
 def _apply_kernel(addr_ptr, spans_ptr, delta_ptr, decay_ptr, BLOCK: tl.constexpr):
     """p[first:stop] = p * decay + delta[offset:...] for one span (two roundings, as in torch)."""
-    j, first, stop, offset, d = _span(spans_ptr, tl.program_id(0))
+    j, first, stop, offset, d, _ = _span(spans_ptr, tl.program_id(0))
     dst = tl.load(addr_ptr + j).to(tl.pointer_type(delta_ptr.dtype.element_ty))
     decay = tl.load(decay_ptr + d)
     for e in range(first, stop, BLOCK):
