@@ -10,12 +10,17 @@ the disk cache and host launchers built with the C compiler (``WATCH_COMPILES=1`
 
 Usage::
 
-    python benchmarks/cold_start.py dpa3_water dpa4_water --steps 500 --json out.json
+    python benchmarks/cold_start.py dpa3_water dpa4_water --steps 500 --pairs 2 --json out.json
+
+With ``--pairs N`` each config runs N cold-then-warm rounds, each with a new empty cache, and
+the script prints each round's cold/warm s/batch ratio (deepmd's s/batch varies by 10-20 %
+between runs of one machine, so one pair does not settle a few per cent).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -103,6 +108,9 @@ def main() -> int:
     ap.add_argument("configs", nargs="+", help="deepmd inputs, or names in --config-dir (e.g. dpa3_water)")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--warm-runs", type=int, default=1, help="warm runs after the cold one")
+    ap.add_argument(
+        "--pairs", type=int, default=1, help="cold-then-warm rounds per config, each with a new empty cache"
+    )
     ap.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR)
     ap.add_argument("--opt-kw", nargs="*", default=[], help="HybridMuon options key=value")
     ap.add_argument(
@@ -134,8 +142,8 @@ def main() -> int:
         config = json.loads(path.read_text())
         config["model"].setdefault("descriptor", {}).update(model_kw)
         label = args.label or path.stem
-        cache = workdir / f"{label}_triton_cache"
-        for i in range(1 + args.warm_runs):
+        for pair, i in itertools.product(range(args.pairs), range(1 + args.warm_runs)):
+            cache = workdir / f"{label}_triton_cache{pair}"
             kind = "cold" if i == 0 else "warm"
             cfg = timing_input(
                 config,
@@ -146,8 +154,8 @@ def main() -> int:
                 stat_file=workdir / f"{label}.hdf5",
                 opt_kw=opt_kw,
             )
-            run = one_run(cfg, workdir / f"{label}_{kind}{i}", cache, args.timeout, args.profile)
-            run.update(config=label, cache=kind)
+            run = one_run(cfg, workdir / f"{label}_{pair}_{kind}{i}", cache, args.timeout, args.profile)
+            run.update(config=label, cache=kind, pair=pair)
             result["runs"].append(run)
             first = run["first_step_ms"]
             slow = run["slowest_later_step_ms"]
@@ -162,7 +170,21 @@ def main() -> int:
                 print("    exit", run["exit"], *run["tail"], sep="\n    ")
             if args.json:
                 write_json(args.json, result)
+    for label in dict.fromkeys(run["config"] for run in result["runs"]):
+        ratios = cold_warm_ratios([run for run in result["runs"] if run["config"] == label])
+        if ratios:
+            print(f"{label}: cold/warm s/batch per pair {ratios}, median {statistics.median(ratios):.3f}")
     return 0
+
+
+def cold_warm_ratios(runs: list[dict[str, Any]]) -> list[float]:
+    """Each pair's cold s/batch over its first warm run's."""
+    ratios = []
+    for pair in sorted({run["pair"] for run in runs}):
+        by_kind = {run["cache"]: run["s_per_batch"] for run in reversed(runs) if run["pair"] == pair}
+        if by_kind.get("cold") and by_kind.get("warm"):
+            ratios.append(round(by_kind["cold"] / by_kind["warm"], 3))
+    return ratios
 
 
 if __name__ == "__main__":

@@ -145,8 +145,8 @@ def main() -> int:
             profiling["profile"].disable()
             text = io.StringIO()
             stats = pstats.Stats(profiling["profile"], stream=text)
-            stats.sort_stats("cumulative").print_stats(40)
-            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(70)
+            stats.sort_stats("tottime").print_stats(30)
             profiling["profile"] = None
             profiling["texts"][ours_steps()] = text.getvalue()
         entry = steps.get(id(opt))

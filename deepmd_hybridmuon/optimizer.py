@@ -19,7 +19,7 @@ from torch.optim.optimizer import Optimizer
 
 from . import distributed, loop
 from . import functional as F
-from .engine import GroupEngine, triton_runs_on
+from .engine import GroupEngine, compilation
 from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS
 from .state import check_state_dict
 from .validation import REMOVED_KEYS, check_gradients, check_option, check_parameters, check_removed, validate_group
@@ -253,9 +253,9 @@ class HybridMuonOptimizer(Optimizer):
         super().__init__(params, defaults)
         if named_parameters is not None:
             self.set_param_names(named_parameters)
-        if flash_muon:  # import (and hash) the Triton kernels here, not in the first step: 0.12 s of a profiled one
-            for device in {p.device for g in self.param_groups for p in g["params"] if p.device.type == "cuda"}:
-                triton_runs_on(device)
+        # What a first step on the GPU would wait for starts here, off the training thread.
+        for device in {p.device for g in self.param_groups for p in g["params"] if p.device.type == "cuda"}:
+            compilation.prepare_device(device, flash_muon)
 
     # ------------------------------------------------------------------ setup
 

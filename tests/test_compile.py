@@ -303,7 +303,7 @@ def test_the_training_process_never_compiles_from_an_empty_or_a_filled_cache(tmp
         # a cache miss, or a launcher built, in the training thread
         compiled_here = [e for e in run["events"] if not e[2] and e[5] == "MainThread"]
         assert compiled_here == [], compiled_here
-        # Off it, only the set-up thread's one-time driver module (KernelRegistry._set_up_triton),
+        # Off it, only the set-up thread's one-time driver module (KernelRegistry.set_up),
         # built with the C compiler on a cold cache, loaded on a warm one.
         elsewhere = {(e[0], e[1], e[5]) for e in run["events"] if not e[2] and e[5] != "MainThread"}
         assert elsewhere <= {("launcher", "cuda_utils", "deepmd-hybridmuon-triton-set-up")}, elsewhere

@@ -55,7 +55,7 @@ from .common import (
     resident,
     work_dtype,
 )
-from .compile import KernelRegistry, compile_worker, prepare, wait_ready
+from .compile import KernelRegistry, compile_worker, prepare, set_up, wait_ready
 from .magma import MAGMA_CHUNK, MAGMA_PARTIALS, magma_chunks, magma_factors
 from .newton_schulz import orthogonalize_blocks
 from .panel import (
@@ -137,6 +137,7 @@ __all__ = [
     "phased_workspace",
     "prepare",
     "resident",
+    "set_up",
     "span_table",
     "wait_ready",
     "work_dtype",

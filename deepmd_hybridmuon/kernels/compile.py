@@ -18,7 +18,7 @@ per machine, in the set-up thread below).
 * The child also builds each launch's host launcher (a C module Triton builds with the system
   compiler at a kernel's first launch), so that the training process only loads it.
 * Triton's one-time set-up of a process (a hash of its own library, its driver module) runs
-  in a short thread (:meth:`KernelRegistry._set_up_triton`); no variant loads before it ends.
+  in a short thread (:meth:`KernelRegistry.set_up`); no variant loads before it ends.
 * :class:`Ledger`: the variants some process compiled into this Triton cache. A later run
   finds them there: no child, the same one-per-step loading from the first step on.
 * Why a process and not a thread: Triton compiles in native code (LLVM, ptxas). A daemon
@@ -201,7 +201,7 @@ class KernelRegistry:
     """Which Triton variants this process has loaded, and the compilations under way.
 
     One object, used from the training thread only (no locks; one short-lived set-up thread,
-    :meth:`_set_up_triton`). See the module
+    :meth:`set_up`). See the module
     docstring for the contract.
 
     Parameters
@@ -229,8 +229,12 @@ class KernelRegistry:
         self._closing_registered = False
         self.setup: threading.Thread | None = None
 
-    def _set_up_triton(self, device: torch.device) -> None:
+    def set_up(self, device: torch.device) -> None:
         """Start Triton's one-time set-up of a process off the training thread (once).
+
+        The optimizer calls it when it is built (``engine.compilation.prepare_device``), so that the thread
+        runs while deepmd prepares and runs the first forward and backward pass; the first
+        :meth:`prepare` calls it otherwise.
 
         Triton's first cache lookup in a process hashes its own 400 MB library
         (``triton_key``, 0.4-0.7 s), its first launch imports its gluon package, sets up its
@@ -251,15 +255,17 @@ class KernelRegistry:
             return
 
         def set_up() -> None:
-            triton_key()
-            # Triton's launch binder imports its gluon package at the first specialisation
-            # (0.12 s of Python, measured in the first variant load of a DPA-3 run).
-            with contextlib.suppress(Exception):  # best effort, as below
+            # Best effort throughout: whatever fails here, the first load does in the training thread.
+            # First the part that holds the interpreter's lock, while the training thread is
+            # still in deepmd's set-up: Triton's launch binder imports its gluon package at
+            # the first specialisation (0.12 s of Python, measured in a DPA-3 run's first load).
+            with contextlib.suppress(Exception):
                 import triton.experimental.gluon  # noqa: F401
-            # Best effort: without it the first load does this in the training thread.
+            with contextlib.suppress(Exception):
+                triton_key()  # reading and hashing release the lock
             with contextlib.suppress(Exception):
                 torch.cuda.set_device(device)  # this thread's current device: the one the kernels run on
-                make_backend(driver.active.get_current_target()).hash()
+                make_backend(driver.active.get_current_target()).hash()  # runs ptxas and the C compiler
 
         self.setup = threading.Thread(target=set_up, name="deepmd-hybridmuon-triton-set-up")
         self.setup.start()
@@ -294,7 +300,7 @@ class KernelRegistry:
             return pending
         in_flight = {key for w in self.workers for key in w.keys}
         new = sorted(keys - self.ready - self.loadable - in_flight, key=repr)
-        self._set_up_triton(device)
+        self.set_up(device)
         cached = [key for key in new if self.ledger.has(key, device)]
         missing = [key for key in new if key not in cached]
         self.loadable.update(cached)
@@ -454,6 +460,11 @@ def prepare(
 def wait_ready(timeout: float | None = None) -> bool:
     """:meth:`KernelRegistry.wait_ready` of the process-wide :data:`registry`."""
     return registry.wait_ready(timeout)
+
+
+def set_up(device: torch.device) -> None:
+    """:meth:`KernelRegistry.set_up` of the process-wide :data:`registry`."""
+    registry.set_up(device)
 
 
 @dataclass(frozen=True)
