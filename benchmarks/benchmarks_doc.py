@@ -305,7 +305,11 @@ def step_alone() -> str:
 
 # ------------------------------------------------------------------------------- cold start
 
-COLD = ["cold_start_dpa3_dpa4_h200_2026-11-26.json", "cold_start_dpa4_defaults_h200_2026-11-26.json"]
+COLD = [
+    "cold_start_dpa3_dpa4_h100_2026-11-26.json",
+    "cold_start_dpa4_defaults_h100_2026-11-26.json",
+    "cold_start_dpa3_pair2_h100_2026-11-26.json",
+]
 
 
 def cold_start() -> str:
@@ -321,6 +325,7 @@ def cold_start() -> str:
                     str(r["steps_over_100ms_after_first"]),
                     str(r["kernels_from_step"]),
                     f"{r['s_per_batch']:.4f}",
+                    f"{sum(r['host_ms']):,.0f}",
                     str(len(r.get("compiled_in_training_process") or [])),
                 ]
             )
@@ -332,6 +337,7 @@ def cold_start() -> str:
         "later steps > 100 ms",
         "Triton kernels from step",
         "s/batch",
+        "all optimizer steps, host ms",
         "kernels compiled in training process",
     ]
     return table(head, rows, right=2) + "\n\n" + sources(COLD)
