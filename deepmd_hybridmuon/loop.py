@@ -35,13 +35,16 @@ def step_group(
     group: dict[str, Any],
     route_of: Callable[[torch.Tensor, dict[str, Any]], F.ParamRoute],
     shared: torch.Tensor | None = None,
-) -> None:
-    """One step of ``group``; ``shared``: the finite gate already agreed across ranks, else ``None``."""
+) -> torch.Tensor | None:
+    """One step of ``group``; ``shared``: the finite gate already agreed across ranks, else ``None``.
+
+    Returns the step's finite gate (1.0: taken, 0.0: skipped), or ``None`` when no parameter had a gradient.
+    """
     settings = F.GroupSettings.of(group)
     muon: list[MuonEntry] = []
     active = [p for p in group["params"] if p.grad is not None and p.numel() > 0]
     if not active:
-        return
+        return None
     grads = [grad_of(p) for p in active]
     routes = [route_of(p, group) for p in active]
     if shared is not None:
@@ -60,6 +63,7 @@ def step_group(
         _adam(state, p, grad, settings, settings.adam_decay(route.route), gates[grad.device])
     if muon:
         _muon(state, settings, muon)
+    return ok
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,60 @@ _PICKLED: dict[str, Any] = {
 _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
 
 
+#: The log line of the first skipped steps (tests and benchmarks may read it).
+SKIPPED_LOG = (
+    "steps skipped: %d of the first %d param_group steps (a gradient was NaN or inf, or too large for the "
+    "arithmetic); a skipped group keeps its parameters and state. Logged once"
+)
+
+
+class SkipCount:
+    """Counts, on each device, the param_group steps the finite gate let through; logs the first skip once.
+
+    A skipped step is decided on the device (``functional.finite_gate``), and reading that
+    decision every step would make the host wait for the GPU. So each step adds its gates to a
+    device counter (one small kernel per group), and the counter is copied to pinned host
+    memory without waiting; the host reads the copy once it has arrived (an event query, a step
+    or so later), then starts the next. On the CPU the count is read at once.
+    """
+
+    def __init__(self) -> None:
+        self.taken: dict[torch.device, torch.Tensor] = {}  # the gates added up, on each device
+        self.expected: dict[torch.device, int] = {}  # the gates added, counted on the host
+        self.host: dict[torch.device, torch.Tensor] = {}  # where the counters are copied
+        self.copied: dict[torch.device, tuple[Any, int]] | None = None  # the copy in flight: (event, expected)
+        self.logged = False
+
+    def count(self, gates: list[torch.Tensor]) -> None:
+        """Add this step's gates (1.0 taken, 0.0 skipped) to the counters; log if a copy shows a skip."""
+        if self.logged:
+            return
+        for gate in gates:
+            device = gate.device
+            if device not in self.taken:
+                self.taken[device] = torch.zeros((), dtype=torch.float64, device=device)
+                self.host[device] = torch.zeros((), dtype=torch.float64, pin_memory=device.type == "cuda")
+                self.expected[device] = 0
+            self.taken[device].add_(gate)
+            self.expected[device] += 1
+        if self.copied is None and self.taken:
+            self.copied = {}
+            for device, taken in self.taken.items():
+                cuda = device.type == "cuda"
+                self.host[device].copy_(taken, non_blocking=cuda)
+                event = torch.cuda.Event() if cuda else None
+                if event is not None:
+                    event.record(torch.cuda.current_stream(device))
+                self.copied[device] = (event, self.expected[device])
+        if self.copied is not None and all(e is None or e.query() for e, _ in self.copied.values()):
+            skipped = sum(n - round(float(self.host[device])) for device, (_, n) in self.copied.items())
+            total = sum(n for _, n in self.copied.values())
+            self.copied = None
+            if skipped:
+                self.logged = True
+                log.warning(SKIPPED_LOG, skipped, total)
+
+
 def _snapshot(value: Any) -> Any:
     """A group value as an engine is built from it: a number as a float (a one-element tensor may change in place)."""
     return value if isinstance(value, (bool, str)) else float(value)
@@ -250,6 +304,7 @@ class HybridMuonOptimizer(Optimizer):
         # One runner per param_group (its engine, or its FSDP2 plan), each rebuilt by its own rule.
         self._runners: dict[int, GroupEngine | distributed.FsdpGroup] = {}
         self._steps_taken = 0  # by this object (the log says from which step the Triton kernels run)
+        self._skips = SkipCount()
         super().__init__(params, defaults)
         if named_parameters is not None:
             self.set_param_names(named_parameters)
@@ -382,6 +437,8 @@ class HybridMuonOptimizer(Optimizer):
         for key, default in _PICKLED.items():
             setattr(self, key, settings.get(key, getattr(self, key, default)))
         self._runners = {}  # rebuilt at the next step
+        if not hasattr(self, "_skips"):  # a copy counts its own skipped steps
+            self._skips = SkipCount()
         if names is not None:
             params = [p for group in self.param_groups for p in group["params"]]
             self._param_names = {id(p): name for p, name in zip(params, names, strict=True) if name is not None}
@@ -445,15 +502,17 @@ class HybridMuonOptimizer(Optimizer):
 
     def _step_all(self) -> None:
         shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
+        gates = []
         for index, group in enumerate(self.param_groups):
             if any(distributed.is_dtensor(p) for p in group["params"]):
-                self._fsdp_group(index).step(self._context(), group, shared)  # FSDP2: the owner computes
+                gates.append(self._fsdp_group(index).step(self._context(), group, shared))  # FSDP2: the owner computes
                 continue
             engine = self._engine(index, group)
             if engine is None:
-                loop.step_group(self.state, group, self.route_of, shared)
+                gates.append(loop.step_group(self.state, group, self.route_of, shared))
             else:
-                engine.step(group, shared)
+                gates.append(engine.step(group, shared))
+        self._skips.count([gate for gate in gates if gate is not None])
 
     def _fsdp_group(self, index: int) -> distributed.FsdpGroup:
         """The FSDP2 runner of param_group ``index``, made at its first step (it rebuilds its plan when needed)."""
@@ -485,6 +544,7 @@ class HybridMuonOptimizer(Optimizer):
                     continue
                 peak = float(torch.linalg.vector_norm(grad, float("inf")))
                 if peak >= F.ADAM_GRAD_LIMIT and math.isfinite(peak):
+                    self._skips.logged = True  # this line says why: the count's line would repeat it
                     log.warning(
                         "step skipped: the Adam-routed parameter %s has a gradient of magnitude %.3g, at or above "
                         "%.3g, whose square float32 moments cannot hold (logged once)",

@@ -111,3 +111,36 @@ def test_a_group_on_the_cpu_and_a_gpu_steps_each_part_as_alone_and_skips_togethe
     optimizers[0].step()
     for k, p in mixed.items():
         assert torch.equal(p.detach(), before[k]), k
+
+
+@pytest.mark.parametrize("implementation", ["engine", "loop"])
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU"))]
+)
+def test_skipped_steps_are_logged_once(implementation, device, caplog):
+    """The first skipped steps get one warning (on a GPU a step or so later: the count is read without waiting)."""
+    import logging
+
+    from deepmd_hybridmuon.optimizer import SKIPPED_LOG
+
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in ((8, 4), (4,))]
+    opt = make_optimizer(params, implementation, lr=1e-2)
+    marker = SKIPPED_LOG.split(":")[0]
+    with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
+        for k in range(12):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(device)
+            if k in (3, 6):
+                params[0].grad[0, 0] = float("nan")
+            opt.step()
+            if k == 2:  # nothing skipped yet: nothing logged
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                assert not [r for r in caplog.records if marker in r.getMessage()]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        opt.step()  # reads the last copy
+    lines = [r.getMessage() for r in caplog.records if marker in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("steps skipped: 1 of the first") or lines[0].startswith("steps skipped: 2 of")

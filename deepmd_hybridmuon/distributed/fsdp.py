@@ -261,21 +261,21 @@ class FsdpGroup:
             return {"implementation": "fsdp2", "kernels": "torch", "torch_matrices": []}
         return {"implementation": "fsdp2", **local.kernels_summary(self.exchange.kernels, self.exchange.groups)}
 
-    def step(self, ctx: Context, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
-        """One step of the group (see the module docstring).
+    def step(self, ctx: Context, group: dict[str, Any], shared: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One step of the group (see the module docstring); returns its finite gate (``None``: nothing to step).
 
         ``shared``: the finite flag already agreed across ranks (``nonfinite_across_ranks``),
         combined with this group's gate.
         """
         mesh, shard_dim = self.prepare(ctx, group)
         if mesh is None:
-            return  # only size-0 parameters: nothing to shard, nothing to step
-        _step(ctx.state, group, self.plan, self.exchange, mesh, shard_dim, shared)
+            return None  # only size-0 parameters: nothing to shard, nothing to step
+        return _step(ctx.state, group, self.plan, self.exchange, mesh, shard_dim, shared)
 
 
 def _step(
     states: dict, group: dict[str, Any], plan: Plan, ex: _Exchange, mesh: Any, shard_dim: int, shared: Any
-) -> None:
+) -> torch.Tensor:
     """The collectives and arithmetic of :meth:`FsdpGroup.step` (``states``: the optimizer's per-parameter state)."""
     import torch.distributed as dist
 
@@ -292,7 +292,7 @@ def _step(
     # 1-2. The gate, Adam routes, momentum, decay and Magma: elementwise on the local shards.
     settings, ok, muon = local.local_elementwise(states, group, plan, device, shared, agree, ex.segments, reduce)
     if muon is None:
-        return
+        return ok
     # 3. Newton–Schulz on the owners: the shards travel there and the updates back.
     locals_, flat_p, update, damp = muon
     work = update.dtype
@@ -301,3 +301,4 @@ def _step(
     delta = torch.empty_like(owned, dtype=wire)
     local.orthogonalize_owned(settings, owned, ex.groups, damp, delta, ex.kernels)
     local.apply_delta(flat_p, locals_, from_owners(ex, delta, pg), ok, settings.lr)
+    return ok

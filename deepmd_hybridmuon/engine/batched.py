@@ -86,6 +86,7 @@ class BatchedStep:
         self.inputs = inputs
         self.shared_gate = shared_gate
         self.K = compilation.kernels() if layout.triton else None
+        self.ok = inputs.ok  # the last step's finite gate (compute)
 
     # ------------------------------------------------------------------ host
 
@@ -118,6 +119,7 @@ class BatchedStep:
             ok = self.inputs.ok if self.shared_gate else L.span_finite.amin()
         else:
             ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
+        self.ok = ok  # captured: the graph's tensor, which each replay rewrites
         scalars = self.inputs.scalars
         muon_decay, neg_lr, adamw_decay, one_minus_beta = scalars[:PARAM_DTYPE_SCALARS].to(L.dtype).unbind(0)
         compute = torch.promote_types(L.dtype, torch.float32)

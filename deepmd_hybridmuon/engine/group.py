@@ -116,16 +116,18 @@ class GroupEngine:
         """Built with the torch path while Triton compiled, and the kernels are ready now."""
         return self.compiling is not None and self.compiling.is_set()
 
-    def step(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> None:
+    def step(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> torch.Tensor:
         """One step of the whole group, as the loop's :func:`~deepmd_hybridmuon.loop.step_group`.
 
         ``shared`` is the finite gate agreed across ranks (``nonfinite_across_ranks``), else ``None``.
+        Returns the step's finite gate (a device scalar, 1.0 when the step was taken).
         """
         if self.shared_gate and shared is None:
             raise RuntimeError("the flat engine was built with a shared finite gate; step() got none")
         grads = [p.grad for p in self.layout.staged]
         self.executor.stage(self.batched.scalars(group), grads, shared if self.shared_gate else None)
         self.executor.run()
+        return self.batched.ok
 
     def summary(self) -> dict[str, Any]:
         """How this engine runs its group (see ``HybridMuonOptimizer.execution_table``)."""
