@@ -37,7 +37,7 @@ def compile_variant(
     work = "*fp16" if use_gram else "*bf16"
     signature = {
         "src_ptr": f"*{dtype}", "dst_ptr": f"*{dtype}", "work_ptr": work, "meta_ptr": "*i64", "count": "i32",
-        "partial_ptr": "*fp32", "coef_ptr": "*fp32", "scale_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32",
+        "partial_ptr": "*fp64", "coef_ptr": "*fp32", "scale_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32",
     }  # fmt: skip
     options = K.phased._phased_options(use_gram, shape, stop - first > 1)
     constants = {k: v for k, v in options.items() if k not in ("num_warps", "launch_cooperative_grid")}

@@ -49,7 +49,7 @@ def build(device: torch.device, use_gram: bool, count: int, m: int, n: int) -> d
     args = (
         src, torch.zeros_like(src), torch.zeros(size, dtype=work_dtype, device=device),
         torch.tensor(meta, dtype=torch.int64, device=device), count,
-        torch.zeros(tiles, dtype=torch.float32, device=device), K.coefficient_table(use_gram, device),
+        torch.zeros(tiles, 2, dtype=torch.float64, device=device), K.coefficient_table(use_gram, device),
         torch.ones(count, dtype=torch.float32, device=device), counter, F.NS_EPS,
     )  # fmt: skip
     # two groups run at once in the engine: each gets half of the SMs

@@ -10,6 +10,7 @@ engine with these kernels is checked against the loop in ``test_parity.py``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import pytest
@@ -114,7 +115,8 @@ def test_phased_kernel_matches_the_reference(kernels, use_gram, short):
     dst = torch.full_like(src, float("nan"))
     work = torch.zeros(size, dtype=K.work_dtype(use_gram), device=device)
     tiles = len(meta) * K.phased_tiles(*shape)
-    args = (torch.tensor(meta, dtype=torch.int64, device=device), shape, torch.zeros(tiles, device=device))
+    partial = torch.zeros(tiles, 2, dtype=torch.float64, device=device)
+    args = (torch.tensor(meta, dtype=torch.int64, device=device), shape, partial)
     coefs, factor = K.coefficient_table(use_gram, device), torch.arange(1.0, len(shapes) + 1.0, device=device)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     for first, stop in ((0, len(schedule) - 1), (len(schedule) - 1, len(schedule))):  # as the engine runs it
@@ -224,8 +226,9 @@ def _run_panels(K, device, mats, use_gram, factor=None):
         torch.tensor(panels, dtype=torch.int64, device=device),
         torch.tensor(first, dtype=torch.int64, device=device),
         torch.zeros(len(panels), bm, bm, device=device),
+        torch.zeros(len(panels), device=device),
         torch.zeros(len(meta), bm, bm, dtype=torch.float16, device=device),
-        torch.zeros(len(meta), device=device),
+        torch.zeros(len(meta), 2, device=device),
         K.coefficient_table(True, device),
         torch.ones(len(mats), device=device) if factor is None else factor,
         rows,
@@ -245,7 +248,7 @@ def _run_phased(K, device, mats, use_gram):
     src = torch.cat([m.reshape(-1) for m in mats])
     dst = torch.full_like(src, float("nan"))
     work = torch.zeros(K.phased_workspace(matrices, use_gram), dtype=K.work_dtype(use_gram), device=device)
-    partial = torch.zeros(len(matrices) * K.phased_tiles(*shape), device=device)
+    partial = torch.zeros(len(matrices) * K.phased_tiles(*shape), 2, dtype=torch.float64, device=device)
     table = torch.tensor(matrices, dtype=torch.int64, device=device)
     coefs, factor = K.coefficient_table(use_gram, device), torch.ones(len(mats), device=device)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
@@ -255,6 +258,41 @@ def _run_phased(K, device, mats, use_gram):
             src, dst, work, table, shape, partial, coefs, factor, counter, 5, use_gram, first=first, stop=stop
         )
     return [out.view_as(m) for m, out in zip(mats, dst.split([m.numel() for m in mats]), strict=True)]
+
+
+SCALE_CASES = {  # the runner, use_gram and the shapes of every Newton-Schulz kernel branch
+    "resident": (_run_blocks, False, SHAPES),
+    "resident-gram": (_run_blocks, True, SHAPES),
+    "streamed": (_run_blocks, False, STREAMED),
+    "panels": (_run_panels, True, [(17, 130), (40, 70)]),
+    "phased": (_run_phased, False, PHASED_SHORT[False]),
+    "phased-gram": (_run_phased, True, PHASED_SHORT[True]),
+}
+
+
+@pytest.mark.parametrize("path", list(SCALE_CASES))
+def test_newton_schulz_kernels_are_scale_invariant_up_to_the_gradient_limit(kernels, path):
+    """G times 2^66 (~7e19), 2^100 (~1e30) and 2^126 (functional.GRAD_LIMIT / 2) gives the output of G.
+
+    Each kernel scales G by the exact power of two that brings its largest element below 2
+    (``functional.pow2_downscale``): here the same matrix for every factor, largest element 1.
+    """
+    K, device = kernels
+    run, use_gram, shapes = SCALE_CASES[path]
+    gen = torch.Generator().manual_seed(5)
+    mats = []
+    for s in shapes:
+        g = torch.randn(s, generator=gen, dtype=torch.float64)
+        mats.append((g / g.abs().max()).float().to(device))
+    ref = run(K, device, mats, use_gram)
+    for k in (66, 100, 126):
+        outs = run(K, device, [m * 2.0**k for m in mats], use_gram)
+        for g, out, r in zip(mats, outs, ref, strict=True):
+            # Bitwise: every product and sum sees the same numbers. (The one term that does not
+            # scale, eps = 1e-7 added to or flooring ||G||, vanishes in float32 against these
+            # norms, all above 2.)
+            assert torch.linalg.matrix_norm(g).item() > 2
+            assert torch.equal(out, r), (path, tuple(g.shape), k)
 
 
 @pytest.mark.parametrize("scale", [None, 1e30, 3.4e38])  # largest |m|, |g|: huge but finite, the sums must not overflow
@@ -384,33 +422,81 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
     assert all(offset == 0 for args in launched.values() for _, offset in args), launched
 
 
-@pytest.mark.parametrize("scale", [1e20, 1e30, None], ids=["1e20", "1e30", "max"])
-def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_the_kernels(kernels, scale):
-    """A Muon gradient whose squares overflow float32 never writes a non-finite value (every kernel path).
+#: (parameter dtype, largest |g| of the Muon gradients): 1e20 and 1e30, whose squares overflow
+#: float32; half functional.GRAD_LIMIT, the largest power of two that steps; the dtype's largest
+#: number (None), which float32 and bfloat16 skip (at or above GRAD_LIMIT) and float16 (65504,
+#: whose squares fit float32 anyway) steps with.
+HUGE = [(d, s) for d in (torch.float32, torch.bfloat16) for s in (1e20, 1e30, F.GRAD_LIMIT / 2, None)]
+HUGE.append((torch.float16, None))
 
-    The torch path scales such a matrix by a power of two and steps as for a small gradient
-    (test_hostile.py). The Triton kernels normalise in float32 unscaled: the matrix whose sum of
-    squares overflows gets a zero update for that step (its panel path gave NaN before).
+
+_HUGE_IDS = {1e20: "1e20", 1e30: "1e30", F.GRAD_LIMIT / 2: "half-limit", None: "max"}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"), HUGE, ids=[f"{str(d).removeprefix('torch.')}-{_HUGE_IDS[s]}" for d, s in HUGE]
+)
+def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_the_kernels(kernels, dtype, scale):
+    """A huge finite Muon gradient steps as the same gradient scaled down to about 1 (every kernel path).
+
+    Every Triton path normalises G as (G 2^-e) / ||G 2^-e|| with an exact power of two 2^-e
+    that brings its largest element below 2, as the torch path does (test_hostile.py), so no
+    sum of squares overflows and the step is the one on G scaled down; nothing non-finite is
+    written, also in the step after, from the state of the first. At or above
+    functional.GRAD_LIMIT the step is skipped.
     """
     from deepmd_hybridmuon import HybridMuonOptimizer
 
-    _, device = kernels
+    K, device = kernels
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("bfloat16 vectors: on a GPU only (the interpreter computes them wrongly, NumPy has no bfloat16)")
     gen = torch.Generator().manual_seed(0)
     # one program per matrix, a panelled long matrix, a phased one; the Adam vector gets a small gradient
     shapes = [(32, 48), (16, 2048), (136, 140), (7,)]
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-    opt = HybridMuonOptimizer(params, lr=0.5, magma_muon=True)
-    top = float(torch.finfo(torch.float32).max) if scale is None else scale
-    before = [p.detach().clone() for p in params]
-    for _ in range(2):  # the second step from state written by the first
-        for p in params:
-            g = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            p.grad = (g / g.abs().max() * (top if p.dim() == 2 else 1.0)).float().to(device)
+    assert [K.launch_path(True, min(s), max(s)) for s in shapes[:3]] == ["program", "panel", "phased"]
+    init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    top = float(torch.finfo(dtype).max) if scale is None else scale
+    grads = []
+    for s in shapes:
+        g = torch.randn(s, generator=gen, dtype=torch.float64)
+        grads.append((g / g.abs().max() * (top if len(s) == 2 else 1.0)).to(dtype))
+    # the same gradients scaled down by a power of two (exact): their largest element in [1, 2)
+    down = 2.0 ** -math.floor(math.log2(top))
+    small = [g * down if g.dim() == 2 else g for g in grads]
+
+    def step(gradients):
+        params = [torch.nn.Parameter(p.to(device, copy=True)) for p in init]
+        opt = HybridMuonOptimizer(params, lr=0.5, magma_muon=True)
+        for p, g in zip(params, gradients, strict=True):
+            p.grad = g.to(device)
         opt.step()
-    assert opt.execution_table()[0]["kernels"] == "triton"
+        assert opt.execution_table()[0]["kernels"] == "triton"
+        return params, opt
+
+    params, opt = step(grads)
+    if top >= F.GRAD_LIMIT:  # skipped, Adam vector too
+        assert all(torch.equal(p.cpu(), p0) for p, p0 in zip(params, init, strict=True))
+    else:
+        reference, _ = step(small)
+        for p, q, p0 in zip(params, reference, init, strict=True):
+            delta, expected = (p.cpu().double() - p0.double()), (q.cpu().double() - p0.double())
+            assert expected.norm() > 0.1
+            # Every scaling is an exact power of two, so the normalised matrices are the same and
+            # the steps equal bitwise (measured under the interpreter), but for 1 / (||G|| + eps),
+            # whose float32 rounding eps may move by one unit for the small gradient only; Newton-
+            # Schulz amplifies such a rounding of its input as one of its products'
+            # (conftest.KERNEL_MUON_TOL). A zero update or a NaN, as before, is far beyond it.
+            err = ((delta - expected).norm() / expected.norm()).item()
+            assert err < KERNEL_MUON_TOL, (tuple(p.shape), err)
+    if dtype == torch.float16:
+        # Known, outside Newton-Schulz: the momentum kernel's lerp subtracts in float16, and
+        # g - m of 65504 and -0.05 * 65504 overflows (torch's lerp computes in float32).
+        pytest.xfail("the momentum kernel's float16 lerp overflows near float16's largest number")
+    for p in params:  # a second step, from the state of the first
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        p.grad = (g / g.abs().max() * (top if p.dim() == 2 else 1.0)).to(dtype).to(device)
+    opt.step()
     assert all(torch.isfinite(p).all() for p in params)
-    # Below functional.GRAD_LIMIT the steps ran (the Adam vector moved); float32's max skips them.
-    assert torch.equal(params[-1], before[-1]) == (scale is None)
     for entry in opt.state.values():
         assert all(torch.isfinite(v).all() for v in entry.values() if torch.is_tensor(v))
 

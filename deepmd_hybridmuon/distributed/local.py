@@ -356,8 +356,9 @@ class OwnedKernels:
         for f in self.fused:
             if f.panelled:
                 K.orthogonalize_panels(
-                    owned, out, f.work, f.table, f.panels, f.first, f.partial, f.q, f.inv, f.coefs, factor, f.rows
-                )
+                    owned, out, f.work, f.table, f.panels, f.first, f.partial, f.down, f.q, f.inv, f.coefs, factor,
+                    f.rows,
+                )  # fmt: skip
             else:
                 K.orthogonalize_blocks(owned, out, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram)
         return self.covered

@@ -251,8 +251,8 @@ class BatchedStep:
         for f in L.fused_paths:
             if f.panelled:
                 K.orthogonalize_panels(
-                    update, L.muon_delta, f.work, f.table, f.panels, f.first, f.partial, f.q, f.inv, f.coefs,
-                    factor, f.rows,
+                    update, L.muon_delta, f.work, f.table, f.panels, f.first, f.partial, f.down, f.q, f.inv,
+                    f.coefs, factor, f.rows,
                 )  # fmt: skip
             else:
                 K.orthogonalize_blocks(

@@ -86,6 +86,7 @@ class Fused:
     panels: torch.Tensor | None = None
     first: torch.Tensor | None = None
     partial: torch.Tensor | None = None
+    down: torch.Tensor | None = None
     q: torch.Tensor | None = None
     inv: torch.Tensor | None = None
 
@@ -171,8 +172,9 @@ def build_fused(K: ModuleType, f: Fused, device: torch.device) -> None:
         f.panels = torch.tensor(panels, dtype=torch.int64, **kw)
         f.first = torch.tensor(first, dtype=torch.int64, **kw)
         f.partial = torch.zeros(len(panels), bm, bm, dtype=torch.float32, **kw)
+        f.down = torch.zeros(len(panels), dtype=torch.float32, **kw)
         f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
-        f.inv = torch.zeros(len(f.meta), dtype=torch.float32, **kw)
+        f.inv = torch.zeros(len(f.meta), 2, dtype=torch.float32, **kw)
 
 
 def build_phased(K: ModuleType, g: Phased, groups: int, device: torch.device) -> None:
@@ -183,7 +185,7 @@ def build_phased(K: ModuleType, g: Phased, groups: int, device: torch.device) ->
     kw = {"device": device}
     g.meta = torch.tensor(g.matrices, dtype=torch.int64, **kw)
     tiles = len(g.matrices) * K.phased_tiles(*g.shape)  # the largest phase: one m x n tile each
-    g.partial = torch.zeros(tiles, dtype=torch.float32, **kw)
+    g.partial = torch.zeros(tiles, 2, dtype=torch.float64, **kw)  # sum of squares, largest magnitude
     g.work = torch.zeros(K.phased_workspace(g.matrices, g.use_gram), dtype=K.work_dtype(g.use_gram), **kw)
     g.coefs = K.coefficient_table(g.use_gram, device)
     g.counter = torch.zeros(1, dtype=torch.int32, **kw)

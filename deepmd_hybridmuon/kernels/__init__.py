@@ -32,9 +32,11 @@ Architecture, one module per kernel family:
   :class:`~.compile.Ledger` lists the variants already in Triton's disk cache (they load at once).
 
 Precision follows the reference functions: bfloat16 operands with float32 accumulation
-for the standard iteration, float16 for the Gram iteration, normalisation in float32. The
-summation order of the products differs from cuBLAS, so results agree with the torch path
-to rounding.
+for the standard iteration, float16 for the Gram iteration, normalisation in float32 after an
+exact power-of-two scaling (``functional.pow2_downscale``; sums of squares in float64 where
+they are taken over global memory), so that it is scale-invariant up to
+``functional.GRAD_LIMIT``. The summation order of the products differs from cuBLAS, so
+results agree with the torch path to rounding.
 
 Settings live in the module that reads them, and are changed there: the workspace dtypes
 ``common.STANDARD_WORK_DTYPE`` / ``common.GRAM_WORK_DTYPE`` (the tests use float16 under

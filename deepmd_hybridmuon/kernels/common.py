@@ -65,6 +65,11 @@ _META_ROW_STRIDE = tl.constexpr(int(MetaColumn.ROW_STRIDE))
 _META_COL_STRIDE = tl.constexpr(int(MetaColumn.COL_STRIDE))
 _META_BLOCK = tl.constexpr(int(MetaColumn.BLOCK))
 
+# IEEE 754 single precision: a float32's bits are sign, 8 exponent bits (bias 127), 23 of mantissa.
+_F32_MANTISSA = tl.constexpr(23)
+_F32_EXPONENT_MASK = tl.constexpr(0xFF)
+_F32_BIAS = tl.constexpr(127)
+
 
 #: The pointer arguments each host-launched kernel takes as 16-byte aligned (:func:`kernel`), by kernel name.
 ALIGNED: dict[str, tuple[str, ...]] = {}
@@ -214,12 +219,46 @@ def _matrix_meta(meta_ptr, i):
 
 
 @helper
+def _pow2_downscale(amax):
+    """The power of two 2^-e (float32) that brings a block whose largest magnitude is ``amax`` below 2.
+
+    The kernels' ``functional.pow2_downscale``: e = max(0, floor(log2(amax))), read from the
+    exponent bits of the float32 ``amax`` (exact, no logarithm), so 1 for blocks below 2 (their
+    products keep their bits) and for zero. ``e`` stops at 126, where 2^-e is float32's smallest
+    normal power: a block at or above ``functional.GRAD_LIMIT`` = 2^127 (whose step is skipped)
+    lands below 4, still far from overflowing its sums of squares.
+    """
+    biased = (amax.to(tl.int32, bitcast=True) >> _F32_MANTISSA) & _F32_EXPONENT_MASK
+    e = tl.minimum(tl.maximum(biased - _F32_BIAS, 0), _F32_BIAS - 1)
+    # 2^-e has the biased exponent 127 - e (written -e + 127: under the interpreter a constexpr
+    # minus a tensor stays a constexpr)
+    return ((-e + _F32_BIAS) << _F32_MANTISSA).to(tl.float32, bitcast=True)
+
+
+@helper
 def _inverse_norm(sum_sq, eps, GRAM: tl.constexpr):
-    """1 / ||G||: with ``eps`` added (Gram reference) or as a floor (standard reference)."""
+    """1 / ||G|| in ``sum_sq``'s dtype: with ``eps`` added (Gram reference) or as a floor (standard reference)."""
     norm = tl.sqrt(sum_sq)
     if GRAM:
         return 1.0 / (norm + eps)
     return 1.0 / tl.maximum(norm, eps)
+
+
+@helper
+def _scaled_inverse_norm(sum_sq, amax, eps, GRAM: tl.constexpr):
+    """2^-e and 1 / ||G 2^-e|| (both float32) from G's float64 sum of squares and its largest magnitude.
+
+    2^-e is :func:`_pow2_downscale` of ``amax``, and ``eps`` is scaled alike (``functional``'s
+    references), so X0 = (G 2^-e) times the second is G / ||G||, in float32 arithmetic that cannot
+    overflow and whose inverse stays a normal number for norms up to ``functional.GRAD_LIMIT``
+    (1 / ||G|| itself is subnormal above ~1e38). The float64 sum of squares cannot overflow there
+    (each square below 2^254) and its scaling by 2^-2e is exact; the norm and its inverse are then
+    float32, as in the resident kernel: in float64, ``eps`` would move 1 / ||G|| of a matrix
+    below 2 by a rounding that the same matrix times 2^e (where ``eps 2^-e`` vanishes) lacks.
+    """
+    down = _pow2_downscale(amax)
+    d = down.to(tl.float64)
+    return down, _inverse_norm((sum_sq * d * d).to(tl.float32), eps * down, GRAM)
 
 
 @helper

@@ -517,7 +517,7 @@ def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
 def _launches(key: Key) -> list[Launch]:
     """The launches of the variant ``key``, as the engine and the FSDP2 owners make them."""
     kind, dtype = key[0], key[-1]
-    f32, f16, i64, i32 = torch.float32, torch.float16, torch.int64, torch.int32
+    f64, f32, f16, i64, i32 = torch.float64, torch.float32, torch.float16, torch.int64, torch.int32
 
     def launch(kernel: Any, *args: Any, **options: Any) -> Launch:
         return Launch(kernel, args, tuple(sorted(options.items())))
@@ -529,7 +529,7 @@ def _launches(key: Key) -> list[Launch]:
         ]
     if kind == "phased":  # the engine's two launches: all phases but the last, and the last
         use_gram, shape = key[1], key[2]
-        args = (dtype, dtype, work_dtype(use_gram), i64, 1, f32, f32, f32, i32, F.NS_EPS)
+        args = (dtype, dtype, work_dtype(use_gram), i64, 1, f64, f32, f32, i32, F.NS_EPS)
         n = phase_count(use_gram)
         return [
             launch(_phased_kernel, *args, FIRST=first, STOP=stop, **_phased_options(use_gram, shape, stop - first > 1))
@@ -545,10 +545,10 @@ def _launches(key: Key) -> list[Launch]:
     if kind == "panel":
         bm = key[1]
         warps = _warps(bm)
-        launches = [launch(_panel_gram_kernel, dtype, i64, i64, f32, BM=bm, BN=PANEL, num_warps=warps)]
+        launches = [launch(_panel_gram_kernel, dtype, i64, i64, f32, f32, BM=bm, BN=PANEL, num_warps=warps)]
         for reduce, apply in panel_launches():  # one (reduce, apply) pair per segment of the Gram schedule
             launches.append(
-                launch(_panel_reduce_kernel, i64, f32, f16, f32, f32, F.NS_EPS, BM=bm, **reduce, num_warps=warps)
+                launch(_panel_reduce_kernel, i64, f32, f32, f16, f32, f32, F.NS_EPS, BM=bm, **reduce, num_warps=warps)
             )
             args = (dtype, f16, dtype, i64, i64, f16, f32, f32, f32)
             launches.append(launch(_panel_apply_kernel, *args, BM=bm, BN=PANEL, **apply, num_warps=warps))

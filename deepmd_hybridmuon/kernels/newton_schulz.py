@@ -32,7 +32,9 @@ from .common import (
     _load_chunk,
     _matrix_meta,
     _polar_express_step,
+    _pow2_downscale,
     _quintic_polynomial,
+    _scaled_inverse_norm,
     _store_chunk,
     _warps,
     gram_constants,
@@ -99,8 +101,12 @@ def _newton_schulz_kernel(
     dst = dst_ptr + src_off
     if RESIDENT:
         # The whole matrix in registers (BN >= n): no memory traffic between iterations.
+        # G 2^-e / (||G 2^-e|| + eps 2^-e) (functional.pow2_downscale): the power of two is exact,
+        # and the sum of squares of G 2^-e (largest element below 2) cannot overflow
         g = _load_chunk(src, rows, cols, m, n, s_r, s_c).to(tl.float32)
-        X = (g * _inverse_norm(tl.sum(g * g), eps, GRAM)).to(wdtype)
+        down = _pow2_downscale(tl.max(tl.abs(g)))
+        g = g * down
+        X = (g * _inverse_norm(tl.sum(g * g), eps * down, GRAM)).to(wdtype)
         if GRAM:
             R = tl.dot(X, tl.trans(X)).to(wdtype)
             Q = eye.to(wdtype)
@@ -119,15 +125,19 @@ def _newton_schulz_kernel(
             Y = X.to(tl.float32)
         _store_chunk(dst, (Y * scale).to(dst_ptr.dtype.element_ty), rows, cols, m, n, s_r, s_c)
     else:
-        # X0 = G / ||G||_F in the workspace (wide orientation, row-major, row stride n).
-        sq = tl.zeros((BM, BN), dtype=tl.float32)
+        # X0 = G 2^-e / (||G 2^-e||_F + eps 2^-e) in the workspace (wide orientation, row-major,
+        # row stride n), as above. One pass finds the largest element and sums the squares of G
+        # unscaled, in float64, where they cannot overflow: no extra pass over G.
+        sq = tl.zeros((BM,), dtype=tl.float64)
+        amax = tl.zeros((BM,), dtype=tl.float32)
         for c0 in range(0, n, BN):
             g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
-            sq += g * g
-        inv = _inverse_norm(tl.sum(sq), eps, GRAM)
+            sq += tl.sum(g.to(tl.float64) * g, axis=1)
+            amax = tl.maximum(amax, tl.max(tl.abs(g), axis=1))
+        down, inv = _scaled_inverse_norm(tl.sum(sq), tl.max(amax), eps, GRAM)
         for c0 in range(0, n, BN):
             g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
-            _store_chunk(work, (g * inv).to(wdtype), rows, c0 + cols, m, n, n, 1)
+            _store_chunk(work, (g * down * inv).to(wdtype), rows, c0 + cols, m, n, n, 1)
         tl.debug_barrier()
         # (The Gram iteration of long matrices takes the panel path, orthogonalize_panels.)
         for k in range(n_steps):

@@ -6,17 +6,23 @@ over X is spread over many programs, and the m x m work between passes is one pr
 matrix. The Gram schedule (``functional.gram_schedule``) is cut at its restarts into
 segments; each segment is one reduce launch (per matrix) and one apply launch (per panel):
 
-  1. per panel:  S_p = G_p G_p^T (float32)                               -> partial[p]
+  1. per panel:  S_p = (G_p 2^-e_p)(G_p 2^-e_p)^T (float32)              -> partial[p], 2^-e_p
   per segment s (iterations start:stop, :func:`panel_launches`):
-  2. per matrix: R = sum_p S_p (first segment: ||G||^2 = trace R, R /= ||G||^2);
+  2. per matrix: R = sum_p S_p (first segment: each S_p times 2^(2 (e_p - e)), with e the
+                 largest e_p; ||G 2^-e||^2 = trace R, R /= ||G 2^-e||^2);
                  iterations start:stop of the Gram form                   -> Q
-  3. per panel:  X_p = Q X_p (first segment: X_p = fp16(G_p / ||G||) first);
+  3. per panel:  X_p = Q X_p (first segment: X_p = fp16(G_p 2^-e / ||G 2^-e||) first);
                  last segment: out_p = factor * X_p -> dst, else X_p -> work and
                  X_p X_p^T -> partial[p] (the next segment's R)
 
 With the schedule's one restart, five launches. The reference forms R from the rounded X0;
 here it comes from G in float32 products (TF32 on the tensor cores), a rounding of the
 same size.
+
+The powers of two are ``functional.pow2_downscale``'s, per panel (each panel's largest element
+brought below 2, so that no product or sum overflows, whatever the matrix's magnitude below
+``functional.GRAD_LIMIT``); 2^-e, the matrix's, is the reference's. All of them are exact,
+and 1 for matrices below 2, whose arithmetic they leave unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from .common import (
     _load_chunk,
     _matrix_meta,
     _polar_express_step,
+    _pow2_downscale,
     _store_chunk,
     _warps,
     gram_constants,
@@ -62,38 +69,55 @@ _PANEL_FIRST_COL = tl.constexpr(int(PanelColumn.FIRST_COL))
 
 
 @kernel("meta_ptr", "panel_ptr", "partial_ptr")
-def _panel_gram_kernel(src_ptr, meta_ptr, panel_ptr, partial_ptr, BM: tl.constexpr, BN: tl.constexpr):
+def _panel_gram_kernel(src_ptr, meta_ptr, panel_ptr, partial_ptr, down_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    """Per panel: its power of two 2^-e_p (largest element brought below 2) and (G_p 2^-e_p)(G_p 2^-e_p)^T."""
     p = tl.program_id(0)
     i = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_MATRIX)
     c0 = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_FIRST_COL)
     src_off, _, m, n, s_r, s_c, _ = _matrix_meta(meta_ptr, i)
     rows = tl.arange(0, BM)
     g = _load_chunk(src_ptr + src_off, rows, c0 + tl.arange(0, BN), m, n, s_r, s_c).to(tl.float32)
+    down = _pow2_downscale(tl.max(tl.abs(g)))
+    g = g * down
     S = tl.dot(g, tl.trans(g))
     tl.store(partial_ptr + p * BM * BM + rows[:, None] * BM + rows[None, :], S)
+    tl.store(down_ptr + p, down)
 
 
 @kernel("first_ptr", "partial_ptr", "q_ptr", "inv_ptr", "coef_ptr")
 def _panel_reduce_kernel(
-    first_ptr, partial_ptr, q_ptr, inv_ptr, coef_ptr, eps, BM: tl.constexpr,
+    first_ptr, partial_ptr, down_ptr, q_ptr, inv_ptr, coef_ptr, eps, BM: tl.constexpr,
     START: tl.constexpr, STOP: tl.constexpr, FRESH_Q: tl.constexpr, UPDATES_R: tl.constexpr,
 ):  # fmt: skip
-    """Per matrix: R from the panels' partial sums, then iterations START:STOP of the Gram form -> Q."""
+    """Per matrix: R from the panels' partial sums, then iterations START:STOP of the Gram form -> Q.
+
+    The first segment also writes the matrix's power of two 2^-e and 1 / (||G 2^-e|| + eps 2^-e)
+    to ``inv`` (two per matrix), which the apply launch normalises G with.
+    """
     i = tl.program_id(0)
     rows = tl.arange(0, BM)
     tile = rows[:, None] * BM + rows[None, :]
+    lo = tl.load(first_ptr + i)
+    hi = tl.load(first_ptr + i + 1)
     acc = tl.zeros((BM, BM), dtype=tl.float32)
-    for p in range(tl.load(first_ptr + i), tl.load(first_ptr + i + 1)):
-        acc += tl.load(partial_ptr + p * BM * BM + tile)
     eye = (rows[:, None] == rows[None, :]).to(tl.float32)
     Q = eye.to(tl.float16)
     if START == 0:
-        inv = 1.0 / (tl.sqrt(tl.sum(tl.where(eye > 0, acc, 0.0))) + eps)  # ||G|| = sqrt(trace(G G^T))
-        tl.store(inv_ptr + i, inv)
-        # A sum of squares beyond float32 (a norm above ~1.8e19) gives inv 0: X = 0, as the other
-        # kernels give, and R = 0 rather than inf * 0.
-        R = tl.where(inv > 0, acc * inv * inv, 0.0).to(tl.float16)
+        down = tl.load(down_ptr + lo)  # the matrix's 2^-e: the smallest of its panels' 2^-e_p
+        for p in range(lo + 1, hi):
+            down = tl.minimum(down, tl.load(down_ptr + p))
+        for p in range(lo, hi):
+            # S_p 2^(2 (e_p - e)): exact (a panel far below the largest may underflow, negligibly)
+            w = down / tl.load(down_ptr + p)
+            acc += tl.load(partial_ptr + p * BM * BM + tile) * (w * w)
+        # ||G 2^-e|| = sqrt(trace(G G^T) 2^-2e); eps scaled alike (as in functional.gram_newton_schulz)
+        inv = 1.0 / (tl.sqrt(tl.sum(tl.where(eye > 0, acc, 0.0))) + eps * down)
+        tl.store(inv_ptr + 2 * i, down)
+        tl.store(inv_ptr + 2 * i + 1, inv)
+        R = (acc * inv * inv).to(tl.float16)
     else:  # a restart: the partial sums are those of X X^T
+        for p in range(lo, hi):
+            acc += tl.load(partial_ptr + p * BM * BM + tile)
         R = acc.to(tl.float16)
     for k in tl.static_range(START, STOP):
         R, Q = _polar_express_step(R, Q, eye, coef_ptr, k, FRESH_Q[k], UPDATES_R[k])
@@ -116,7 +140,7 @@ def _panel_apply_kernel(
     FROM_SOURCE: tl.constexpr,
     FINAL: tl.constexpr,
 ):
-    """Per panel: X_p <- Q X_p (X_p = G_p / ||G|| with FROM_SOURCE); FINAL: factor * X_p into ``dst``."""
+    """Per panel: X_p <- Q X_p (X_p = G_p 2^-e / ||G 2^-e|| with FROM_SOURCE); FINAL: factor * X_p into ``dst``."""
     p = tl.program_id(0)
     i = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_MATRIX)
     c0 = tl.load(panel_ptr + _PANEL_COLS * p + _PANEL_FIRST_COL)
@@ -127,7 +151,8 @@ def _panel_apply_kernel(
     work = work_ptr + work_off
     if FROM_SOURCE:
         g = _load_chunk(src_ptr + src_off, rows, cols, m, n, s_r, s_c).to(tl.float32)
-        x = (g * tl.load(inv_ptr + i)).to(tl.float16)
+        # the power of two first: 1 / ||G|| itself could be subnormal in float32 (a norm above ~1e38)
+        x = (g * tl.load(inv_ptr + 2 * i) * tl.load(inv_ptr + 2 * i + 1)).to(tl.float16)
     else:
         x = _load_chunk(work, rows, cols, m, n, n, 1)
     y = tl.dot(Q, x).to(tl.float16)
@@ -185,6 +210,7 @@ def orthogonalize_panels(
     panels: torch.Tensor,
     first: torch.Tensor,
     partial: torch.Tensor,
+    down: torch.Tensor,
     q: torch.Tensor,
     inv: torch.Tensor,
     coefs: torch.Tensor,
@@ -194,16 +220,18 @@ def orthogonalize_panels(
     """Gram Newton–Schulz of long matrices in ``1 + 2 * segments`` launches (see the module docstring).
 
     ``meta`` as for ``orthogonalize_blocks``; ``panels`` and ``first`` from
-    :func:`panel_table`; workspaces: ``partial`` float32 ``(panels, BM, BM)``, ``q``
-    float16 ``(matrices, BM, BM)``, ``inv`` float32 ``(matrices,)``, ``work`` float16 with
-    room for every matrix; ``BM = panel_block(rows)``.
+    :func:`panel_table`; workspaces: ``partial`` float32 ``(panels, BM, BM)``, ``down``
+    float32 ``(panels,)``, ``q`` float16 ``(matrices, BM, BM)``, ``inv`` float32
+    ``(matrices, 2)``, ``work`` float16 with room for every matrix; ``BM = panel_block(rows)``.
     """
     bm = panel_block(rows)
     n_panels, n_matrices = panels.size(0), meta.size(0)
     warps = _warps(bm)
-    _panel_gram_kernel[(n_panels,)](src, meta, panels, partial, BM=bm, BN=PANEL, num_warps=warps)
+    _panel_gram_kernel[(n_panels,)](src, meta, panels, partial, down, BM=bm, BN=PANEL, num_warps=warps)
     for reduce, apply in panel_launches():
-        _panel_reduce_kernel[(n_matrices,)](first, partial, q, inv, coefs, F.NS_EPS, BM=bm, **reduce, num_warps=warps)
+        _panel_reduce_kernel[(n_matrices,)](
+            first, partial, down, q, inv, coefs, F.NS_EPS, BM=bm, **reduce, num_warps=warps
+        )
         _panel_apply_kernel[(n_panels,)](
             src, work, dst, meta, panels, q, inv, partial, scale, BM=bm, BN=PANEL, **apply, num_warps=warps
         )

@@ -7,8 +7,9 @@ epilogue and the result rounded to the iteration's dtype (as each cuBLAS call of
 reference rounds its output). The operands are slots of a zero-padded per-matrix
 workspace: two m x n slots (0, 1), the rest m x m.
 
-  phase 0, per m x n tile:  sum of squares of G over the tile         -> partial
+  phase 0, per m x n tile:  sum of squares (float64) and largest |G|  -> partial
   phase 1, per m x n tile:  X0 = G / ||G|| (partials added in order)  -> X0's slot
+                            (as G 2^-e / ||G 2^-e||, functional.pow2_downscale's 2^-e)
   standard, per iteration:  A = X X^T;  B = b A + c A A;  X <- a X + B X
   Gram, per iteration:      Z = b R + c R R;  Q <- Q (a I + Z)  (Q = Z + a I at the start
                             and the restart);  P = a R + R Z;  R <- a P + Z P;
@@ -36,7 +37,7 @@ import torch
 import triton.language as tl
 
 from .. import functional as F
-from .common import _inverse_norm, _load_chunk, _store_chunk, helper, kernel
+from .common import _load_chunk, _scaled_inverse_norm, _store_chunk, helper, kernel
 
 #: Largest smaller side of the phased path; larger matrices stay on cuBLAS (the torch path).
 #: Measured on the H100 (``benchmarks/phased_time.py --sweep``, BENCHMARKS.md): the whole
@@ -165,13 +166,14 @@ def _wide_tile(t, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
 
 @helper
 def _norm_tiles(src_ptr, meta_ptr, count, partial_ptr, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
-    """Phase 0: the sum of squares of G over each m x n tile."""
+    """Phase 0: over each m x n tile, the sum of squares of G (float64: no overflow) and its largest |G|."""
     for t in range(tl.program_id(0), count * (MP // BM) * (NP // BM), tl.num_programs(0)):
         i, r0, c0 = _wide_tile(t, MP, NP, BM)
         src_off, m, n, s_r, s_c = _source_meta(meta_ptr, i)
         g = _load_chunk(src_ptr + src_off, r0 + tl.arange(0, BM), c0 + tl.arange(0, BM), m, n, s_r, s_c)
         g = g.to(tl.float32)
-        tl.store(partial_ptr + t, tl.sum(g * g))
+        tl.store(partial_ptr + 2 * t, tl.sum(g.to(tl.float64) * g))
+        tl.store(partial_ptr + 2 * t + 1, tl.max(tl.abs(g)).to(tl.float64))
 
 
 @helper
@@ -179,19 +181,26 @@ def _normalise_tiles(
     src_ptr, work_ptr, meta_ptr, count, partial_ptr, eps, X0: tl.constexpr, GRAM: tl.constexpr,
     SQUARES: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
 ):  # fmt: skip
-    """Phase 1: X0 = G / ||G|| into slot ``X0`` (the matrix's partial sums added in order)."""
+    """Phase 1: X0 = G / ||G|| into slot ``X0`` (the matrix's partial sums added in order).
+
+    Computed as (G 2^-e) / ||G 2^-e||, with 2^-e from the matrix's largest |G|
+    (``common._scaled_inverse_norm``): scale-invariant up to ``functional.GRAD_LIMIT``.
+    """
     per: tl.constexpr = (MP // BM) * (NP // BM)
     for t in range(tl.program_id(0), count * per, tl.num_programs(0)):
         i, r0, c0 = _wide_tile(t, MP, NP, BM)
         src_off, m, n, s_r, s_c = _source_meta(meta_ptr, i)
-        total = tl.load(partial_ptr + i * per, cache_modifier=".cg")
+        total = tl.load(partial_ptr + 2 * i * per, cache_modifier=".cg")
+        amax = tl.load(partial_ptr + 2 * i * per + 1, cache_modifier=".cg")
         for j in tl.static_range(1, per):
-            total += tl.load(partial_ptr + i * per + j, cache_modifier=".cg")
+            total += tl.load(partial_ptr + 2 * (i * per + j), cache_modifier=".cg")
+            amax = tl.maximum(amax, tl.load(partial_ptr + 2 * (i * per + j) + 1, cache_modifier=".cg"))
+        down, inv = _scaled_inverse_norm(total, amax.to(tl.float32), eps, GRAM)
         rows = r0 + tl.arange(0, BM)
         cols = c0 + tl.arange(0, BM)
         g = _load_chunk(src_ptr + src_off, rows, cols, m, n, s_r, s_c).to(tl.float32)
         base = _slot_ptr(work_ptr, i, X0, MP, NP, SQUARES)
-        x = (g * _inverse_norm(total, eps, GRAM)).to(work_ptr.dtype.element_ty)
+        x = (g * down * inv).to(work_ptr.dtype.element_ty)
         tl.store(base + rows[:, None] * NP + cols[None, :], x)
 
 
@@ -420,7 +429,7 @@ def orthogonalize_phased(
     The last phase writes ``scale * O`` to ``dst``; the engine runs it apart, once ``scale``
     is known, and the others as soon as ``src`` is. ``meta``: the group's table (int64), and
     ``work``: zeros of :func:`work_dtype`, sized by :func:`phased_workspace`;
-    ``shape``: the group's padded (m, n); ``partial``: float32, one per m x n tile;
+    ``shape``: the group's padded (m, n); ``partial``: float64, two per m x n tile;
     ``counter``: one int32; ``programs``: the grid (at most the SMs this launch may hold
     while others run).
     """
