@@ -130,14 +130,17 @@ def _momentum_kernel(grad_ptr, mom_ptr, update_ptr, ok_ptr, beta_ptr, n, BLOCK: 
     mask = idx < n
     ok = tl.load(ok_ptr)
     keep = ok > 0
-    g = tl.where(keep, tl.load(grad_ptr + idx, mask=mask, other=0.0), 0.0)
+    # In the betas' dtype (float32 for 16-bit parameters, as torch's lerp computes): in float16,
+    # g - m overflows for gradients near its largest number
+    compute = beta_ptr.dtype.element_ty
+    g = tl.where(keep, tl.load(grad_ptr + idx, mask=mask, other=0.0).to(compute), 0.0)
     skipped = (tl.zeros((BLOCK,), dtype=tl.float32) + ok) <= 0
     tl.store(grad_ptr + idx, g, mask=mask & skipped)  # sanitised, as functional.sanitize (a skipped step only)
     beta = tl.load(beta_ptr)
-    m = _lerp(tl.load(mom_ptr + idx, mask=mask), g, tl.where(keep, tl.load(beta_ptr + 1), 0.0))
+    m = _lerp(tl.load(mom_ptr + idx, mask=mask).to(compute), g, tl.where(keep, tl.load(beta_ptr + 1), 0.0))
     m = m.to(mom_ptr.dtype.element_ty)  # the stored momentum, rounded, feeds the update (as in torch)
     tl.store(mom_ptr + idx, m, mask=mask)
-    tl.store(update_ptr + idx, _lerp(g, m, beta), mask=mask)
+    tl.store(update_ptr + idx, _lerp(g, m.to(compute), beta), mask=mask)
 
 
 @kernel("addr_ptr", "spans_ptr", "delta_ptr")
