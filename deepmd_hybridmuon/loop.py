@@ -1,8 +1,8 @@
 """The per-parameter loop: the reference implementation of one param_group's step.
 
-One parameter at a time, in the order of the algorithm written out in
-:class:`~deepmd_hybridmuon.HybridMuonOptimizer`'s docstring, with the rules of
-:mod:`.functional`. The flat engine (:mod:`.engine`) and the distributed steps
+The phases of :func:`deepmd_hybridmuon.step.run`, each one parameter at a time, with the rules
+of :mod:`.functional` (the algorithm is written out in
+:class:`~deepmd_hybridmuon.HybridMuonOptimizer`'s docstring). The flat engine (:mod:`.engine`) and the distributed steps
 (:mod:`.distributed`) compute the same step and are tested against this one. The state is
 created by :mod:`.state` (the same functions for every implementation); :func:`grad_of` is
 shared with :mod:`.distributed`.
@@ -21,13 +21,11 @@ from typing import Any
 import torch
 
 from . import functional as F
+from . import step
 from .dtensor import is_dtensor
-from .state import advance_adam_state, follow_shape
+from .state import advance_adam_state, muon_state
 
 __all__ = ["grad_of", "step_group"]
-
-#: (parameter, gradient, (batch, rows, cols) view, finite gate on the parameter's device)
-MuonEntry = tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], torch.Tensor]
 
 
 def step_group(
@@ -40,30 +38,115 @@ def step_group(
 
     Returns the step's finite gate (1.0: taken, 0.0: skipped), or ``None`` when no parameter had a gradient.
     """
-    settings = F.GroupSettings.of(group)
-    muon: list[MuonEntry] = []
     active = [p for p in group["params"] if p.grad is not None and p.numel() > 0]
     if not active:
         return None
-    grads = [grad_of(p) for p in active]
-    routes = [route_of(p, group) for p in active]
-    if shared is not None:
-        ok = shared
-    else:  # Adam gradients also below ADAM_GRAD_LIMIT (functional.finite_gate)
-        adam = [g for g, r in zip(grads, routes, strict=True) if r.route != "muon"]
-        ok = F.finite_gate([g for g, r in zip(grads, routes, strict=True) if r.route == "muon"], adam)
-    gates = {ok.device: ok}  # the one gate, copied to each device the group's parameters live on
-    for p, grad, route in zip(active, grads, routes, strict=True):
-        if grad.device not in gates:
-            gates[grad.device] = ok.to(grad.device)
-        if route.route == "muon":
-            assert route.view is not None  # route_parameter gives a view for every Muon route
-            muon.append((p, grad, route.view, gates[grad.device]))
-            continue
-        _adam(state, p, grad, settings, settings.adam_decay(route.route), gates[grad.device])
-    if muon:
-        _muon(state, settings, muon)
-    return ok
+    return step.run(_Phases(state, group, route_of, active, shared))
+
+
+class _Matrix:
+    """A Muon parameter through the step: its gradient and view, then its update and Magma sums, then its delta."""
+
+    def __init__(self, p: torch.Tensor, grad: torch.Tensor, view: tuple[int, int, int]) -> None:
+        self.p, self.grad, self.view = p, grad, view
+        self.update: torch.Tensor | None = None
+        self.sums: tuple[torch.Tensor, ...] | None = None
+        self.delta: torch.Tensor | None = None
+
+
+class _Phases:
+    """The phases of :func:`deepmd_hybridmuon.step.run`, one parameter at a time, on the optimizer's state."""
+
+    def __init__(
+        self,
+        state: dict,
+        group: dict[str, Any],
+        route_of: Callable[[torch.Tensor, dict[str, Any]], F.ParamRoute],
+        active: list[torch.Tensor],
+        shared: torch.Tensor | None,
+    ) -> None:
+        self.state, self.shared = state, shared
+        self.settings = F.GroupSettings.of(group)
+        self.adam_params: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+        self.matrices: list[_Matrix] = []
+        for p in active:
+            route = route_of(p, group)
+            if route.route == "muon":
+                assert route.view is not None  # route_parameter gives a view for every Muon route
+                self.matrices.append(_Matrix(p, grad_of(p), route.view))
+            else:
+                self.adam_params.append((p, grad_of(p), route.route))
+        self.gates: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def has_muon(self) -> bool:
+        """Whether the group has Muon matrices with gradients (phases 3-5 have work)."""
+        return bool(self.matrices)
+
+    def _ok(self, device: torch.device) -> torch.Tensor:
+        """The one gate, copied once to each device the group's parameters live on."""
+        if device not in self.gates:
+            self.gates[device] = next(iter(self.gates.values())).to(device)
+        return self.gates[device]
+
+    def gate(self) -> torch.Tensor:
+        if self.shared is not None:
+            ok = self.shared
+        else:  # Adam gradients also below ADAM_GRAD_LIMIT (functional.finite_gate)
+            ok = F.finite_gate([m.grad for m in self.matrices], [g for _, g, _ in self.adam_params])
+        self.gates = {ok.device: ok}
+        return ok
+
+    def adam(self, ok: torch.Tensor) -> None:
+        s = self.settings
+        for p, grad, route in self.adam_params:
+            entry = advance_adam_state(self.state, p, s)
+            F.adam_update_(
+                p,
+                grad,
+                entry["exp_avg"],
+                entry["exp_avg_sq"],
+                beta1=s.beta1,
+                beta2=s.beta2,
+                beta1_pow=entry["beta1_pow"],
+                beta2_pow=entry["beta2_pow"],
+                lr=s.adam_lr,
+                decay_factor=s.adam_decay(route),
+                ok=self._ok(grad.device),
+            )
+
+    def before_orthogonalize(self, ok: torch.Tensor) -> None:
+        s = self.settings
+        for m in self.matrices:
+            p, (bs, _, _), ok = m.p, m.view, self._ok(m.grad.device)
+            buf = muon_state(self.state, p, m.grad, bs if s.magma else None)["momentum_buffer"]
+            g = F.sanitize(m.grad.to(buf.dtype), ok)
+            if s.weight_decay > 0:
+                p.mul_(F.gate_factor(s.muon_decay, ok, p.dtype))
+            m.update = F.nesterov_momentum_(buf, g, s.momentum, ok)
+            if s.magma:
+                m.sums = F.magma_sums(buf.reshape(bs, -1), g.reshape(bs, -1))
+
+    def complete_sums(self) -> None:
+        """Nothing: each matrix's sums are whole in one process."""
+
+    def orthogonalize(self, ok: torch.Tensor) -> None:
+        s = self.settings
+        for m in self.matrices:
+            assert m.update is not None  # before_orthogonalize ran
+            bs, rows, cols = m.view
+            orth = F.orthogonalize(m.update.reshape(bs, rows, cols), s.use_gram)
+            m.update = None  # one update fewer alive
+            m.delta = orth * s.scale(rows, cols)
+            if m.sums is not None:
+                score = self.state[m.p]["magma_score"]
+                damp = F.magma_scale_(score, F.magma_score(*m.sums), self._ok(m.grad.device))
+                m.delta = m.delta * damp.view(bs, 1, 1).to(m.delta.dtype)
+
+    def apply(self, ok: torch.Tensor) -> None:
+        for m in self.matrices:
+            assert m.delta is not None  # orthogonalize ran
+            m.p.addcmul_(m.delta.reshape(m.p.shape), self._ok(m.grad.device).to(m.p.dtype) * -self.settings.lr)
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor:
@@ -74,51 +157,3 @@ def grad_of(p: torch.Tensor) -> torch.Tensor:
         if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
             grad = grad.redistribute(p.device_mesh, p.placements)
     return grad
-
-
-def _adam(
-    state: dict, p: torch.Tensor, grad: torch.Tensor, settings: F.GroupSettings, decay: float | None, ok: torch.Tensor
-) -> None:
-    entry = advance_adam_state(state, p, settings)
-    F.adam_update_(
-        p,
-        grad,
-        entry["exp_avg"],
-        entry["exp_avg_sq"],
-        beta1=settings.beta1,
-        beta2=settings.beta2,
-        beta1_pow=entry["beta1_pow"],
-        beta2_pow=entry["beta2_pow"],
-        lr=settings.adam_lr,
-        decay_factor=decay,
-        ok=ok,
-    )
-
-
-def _muon(state: dict, settings: F.GroupSettings, entries: list[MuonEntry]) -> None:
-    """Muon, one parameter at a time (parameters are independent; one full matrix alive at a time)."""
-    for p, grad, (bs, rows, cols), ok in entries:
-        entry = state[p]
-        follow_shape(entry, ("momentum_buffer",), p)
-        if "momentum_buffer" not in entry:
-            entry["momentum_buffer"] = torch.zeros_like(grad)
-        buf = entry["momentum_buffer"]
-        g = F.sanitize(grad.to(buf.dtype), ok)
-        if settings.weight_decay > 0:
-            p.mul_(F.gate_factor(settings.muon_decay, ok, p.dtype))
-        update = F.nesterov_momentum_(buf, g, settings.momentum, ok)
-
-        damp = None
-        if settings.magma:
-            score = entry.get("magma_score")
-            if score is None or score.shape != (bs,) or score.device != p.device:
-                score = torch.full((bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=p.device)
-                entry["magma_score"] = score
-            raw = F.magma_raw_score(buf.reshape(bs, -1), g.reshape(bs, -1))
-            damp = F.magma_scale_(score, raw, ok)
-
-        orth = F.orthogonalize(update.reshape(bs, rows, cols), settings.use_gram)
-        delta = orth * settings.scale(rows, cols)
-        if damp is not None:
-            delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
-        p.addcmul_(delta.reshape(p.shape), ok.to(p.dtype) * -settings.lr)

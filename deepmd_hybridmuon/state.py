@@ -34,6 +34,7 @@ __all__ = [
     "check_state_dict",
     "follow_shape",
     "local_state",
+    "muon_state",
     "written_by_hybridmuon",
 ]
 
@@ -214,6 +215,28 @@ def advance_adam_state(state: dict, p: torch.Tensor, settings: F.GroupSettings) 
         entry["beta1_pow"] = 1.0
         entry["beta2_pow"] = 1.0
     advance_powers(entry, settings)
+    return entry
+
+
+def muon_state(state: dict, p: torch.Tensor, grad: torch.Tensor, batch: int | None) -> dict[str, Any]:
+    """The Muon state of ``p``, created at its first step: ``momentum_buffer``, and with Magma ``magma_score``.
+
+    The momentum is laid out like ``grad`` (a DTensor for FSDP2's sharded gradients). ``batch``:
+    the number of matrices of ``p``'s view with Magma, else ``None``; the score is a plain float32
+    ``(batch,)`` tensor on ``p``'s (local) device, the same on every rank, and starts afresh at
+    :data:`~.functional.MAGMA_INITIAL_SCORE` when the view changed.
+    """
+    entry = state[p]
+    follow_shape(entry, ("momentum_buffer",), p)
+    if "momentum_buffer" not in entry:
+        entry["momentum_buffer"] = torch.zeros_like(grad)
+    if batch is not None:
+        score = entry.get("magma_score")
+        if is_dtensor(score):  # a replicated score loaded as a DTensor
+            score = entry["magma_score"] = score.full_tensor()
+        device = local_shard(p).device
+        if score is None or tuple(score.shape) != (batch,) or score.device != device:
+            entry["magma_score"] = torch.full((batch,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=device)
     return entry
 
 

@@ -442,8 +442,12 @@ def _scenario_fsdp2(rank: int, outdir: str) -> None:
     hsdp = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
     _net4, named4, opt4 = sharded_net(hsdp, **OTHER_OPTIONS)
     results["other_placements"] = str(named4[0][1].placements)
-    for k in range(STEPS_BEFORE + STEPS_AFTER):
-        step(named4, opt4, k)
+    from test_step import recording
+
+    with recording() as runs:  # the phases each step asks for (test_fsdp2_runs_the_phases_in_the_one_order)
+        for k in range(STEPS_BEFORE + STEPS_AFTER):
+            step(named4, opt4, k)
+    results["phases"] = runs
     results["other_end"] = _full(named4)
 
     # Huge but finite Muon gradients, one step each from fresh state, and the same gradients
@@ -936,6 +940,15 @@ def test_fsdp2_other_options_on_a_2d_mesh(run: _Run) -> None:
     ref = _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, implementation="loop", **OTHER_OPTIONS)
     _assert_exact(res["other_end"], ref["end"])
     _assert_exact(res["other_end"], run.result("fsdp2", 1)["other_end"])
+
+
+def test_fsdp2_runs_the_phases_in_the_one_order(run: _Run) -> None:
+    from test_step import ALL_PHASES
+
+    for rank in range(WORLD):
+        runs = run.result("fsdp2", rank)["phases"]
+        expected = ("deepmd_hybridmuon.distributed.fsdp._Phases", ALL_PHASES)
+        assert [tuple(r) for r in runs] == [expected] * (STEPS_BEFORE + STEPS_AFTER), (rank, runs)
 
 
 def test_fsdp2_huge_finite_muon_gradients(run: _Run) -> None:

@@ -21,6 +21,7 @@ LAYERS = [
     "validation",
     "dtensor",
     "state",
+    "step",
     "loop",
     "kernels",
     "engine",

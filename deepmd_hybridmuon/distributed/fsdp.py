@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .. import step
 from . import local
 from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan
 
@@ -270,35 +271,73 @@ class FsdpGroup:
         mesh, shard_dim = self.prepare(ctx, group)
         if mesh is None:
             return None  # only size-0 parameters: nothing to shard, nothing to step
-        return _step(ctx.state, group, self.plan, self.exchange, mesh, shard_dim, shared)
+        assert self.plan is not None and self.exchange is not None  # prepare built them
+        return step.run(_Phases(ctx.state, group, self.plan, self.exchange, mesh, shard_dim, shared))
 
 
-def _step(
-    states: dict, group: dict[str, Any], plan: Plan, ex: _Exchange, mesh: Any, shard_dim: int, shared: Any
-) -> torch.Tensor:
-    """The collectives and arithmetic of :meth:`FsdpGroup.step` (``states``: the optimizer's per-parameter state)."""
-    import torch.distributed as dist
+class _Phases:
+    """The phases of :func:`deepmd_hybridmuon.step.run` on this rank's shards (see the module docstring).
 
-    device = torch.device(mesh.device_type)
-    pg = mesh.get_group(shard_dim)
+    ``states``: the optimizer's per-parameter state; ``shared``: the finite flag already agreed
+    across ranks (``nonfinite_across_ranks``), combined with this group's gate.
+    """
 
-    def agree(ok: torch.Tensor) -> None:  # the finite gate: one all-reduce (min) per mesh dimension
-        for d in range(mesh.ndim):
-            _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
+    def __init__(
+        self, states: dict, group: dict[str, Any], plan: Plan, ex: _Exchange, mesh: Any, shard_dim: int, shared: Any
+    ) -> None:
+        self.states, self.plan, self.ex, self.mesh, self.shared = states, plan, ex, mesh, shared
+        self.device = torch.device(mesh.device_type)
+        self.pg = mesh.get_group(shard_dim)
+        self.inputs = local.shard_inputs(states, group, plan)
+        self.muon: local.LocalMuon | None = None
+        self.sums: torch.Tensor | None = None
+        self.delta: torch.Tensor | None = None
 
-    def reduce(sums: torch.Tensor) -> None:  # Magma: whole-matrix sums from the shards' partial sums
-        _collective("all_reduce", (sums.numel(),), dist.all_reduce, sums, op=dist.ReduceOp.SUM, group=pg)
+    @property
+    def has_muon(self) -> bool:
+        """Whether the group has Muon matrices with gradients (phases 3-5 have work)."""
+        return self.inputs.muon_grad is not None
 
-    # 1-2. The gate, Adam routes, momentum, decay and Magma: elementwise on the local shards.
-    settings, ok, muon = local.local_elementwise(states, group, plan, device, shared, agree, ex.segments, reduce)
-    if muon is None:
+    def gate(self) -> torch.Tensor:
+        """The gate of this rank, made the same on every rank: one all-reduce (min) per mesh dimension."""
+        import torch.distributed as dist
+
+        ok = local.local_gate(self.inputs, self.device)
+        if self.shared is not None:
+            ok = torch.minimum(ok, self.shared.to(self.device))
+        for d in range(self.mesh.ndim):
+            _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=self.mesh.get_group(d))
         return ok
-    # 3. Newton–Schulz on the owners: the shards travel there and the updates back.
-    locals_, flat_p, update, damp = muon
-    work = update.dtype
-    wire = local.wire_dtype(work)
-    owned = to_owners(ex, update.to(wire), pg).to(work)
-    delta = torch.empty_like(owned, dtype=wire)
-    local.orthogonalize_owned(settings, owned, ex.groups, damp, delta, ex.kernels)
-    local.apply_delta(flat_p, locals_, from_owners(ex, delta, pg), ok, settings.lr)
-    return ok
+
+    def adam(self, ok: torch.Tensor) -> None:
+        local.local_adam(self.states, self.inputs, ok)
+
+    def before_orthogonalize(self, ok: torch.Tensor) -> None:
+        self.muon = local.local_momentum(self.states, self.inputs, self.plan, ok)
+        if self.inputs.settings.magma:
+            self.sums = local.magma_partial_sums(self.muon, self.ex.segments)
+
+    def complete_sums(self) -> None:
+        """Magma: the whole-matrix sums from the shards' partial sums, one all-reduce (sum)."""
+        import torch.distributed as dist
+
+        if self.sums is not None:
+            _collective(
+                "all_reduce", (self.sums.numel(),), dist.all_reduce, self.sums, op=dist.ReduceOp.SUM, group=self.pg
+            )
+
+    def orthogonalize(self, ok: torch.Tensor) -> None:
+        """Newton–Schulz on the owners: the shards of the update travel there, the scaled updates back."""
+        assert self.muon is not None  # before_orthogonalize ran
+        settings, ex = self.inputs.settings, self.ex
+        damp = None if self.sums is None else local.magma_damp(self.states, self.inputs.muon, self.sums, ok)
+        work = self.muon.update.dtype
+        wire = local.wire_dtype(work)
+        owned = to_owners(ex, self.muon.update.to(wire), self.pg).to(work)
+        delta = torch.empty_like(owned, dtype=wire)
+        local.orthogonalize_owned(settings, owned, ex.groups, damp, delta, ex.kernels)
+        self.delta = from_owners(ex, delta, self.pg)
+
+    def apply(self, ok: torch.Tensor) -> None:
+        if self.muon is not None and self.delta is not None:
+            local.apply_delta(self.muon.flat_p, self.muon.locals, self.delta, ok, self.inputs.settings.lr)

@@ -7,7 +7,6 @@ one flat concatenation; the owners' Newton–Schulz runs stacked by shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,10 +14,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import functional as F
 from .. import loop
-from ..dtensor import is_dtensor, local_shard
+from ..dtensor import local_shard
 from ..engine import compilation
 from ..engine.layout import assign, build_fused, build_phased, run_phased
-from ..state import advance_adam_state, local_state
+from ..state import advance_adam_state, local_state, muon_state
 from .plan import Plan, _ShapeGroup
 
 
@@ -80,32 +79,36 @@ class _AdamBucket:
 
     def __init__(self, params: list[torch.Tensor], beta1_pow: float, beta2_pow: float, decay: Any) -> None:
         self.params, self.beta1_pow, self.beta2_pow, self.decay = params, beta1_pow, beta2_pow, decay
-        self.grad: torch.Tensor | None = None  # the local gradients, flat (set by _local_inputs)
+        self.grad: torch.Tensor | None = None  # the local gradients, flat (set by shard_inputs)
 
 
-class _Inputs:
-    """What the elementwise work of one step reads: settings, Adam buckets, Muon parameters, flat gradients, gate."""
+class ShardInputs:
+    """What the elementwise work of one step reads on this rank: settings, Adam buckets, Muon parameters, gradients.
+
+    Built by :func:`shard_inputs`; ``muon_grad`` is the Muon parameters' local gradients, flat
+    (``None`` without Muon matrices).
+    """
 
     def __init__(
         self,
         settings: F.GroupSettings,
         buckets: list[_AdamBucket],
         muon: list[torch.Tensor],
+        grads: dict[int, torch.Tensor],
         muon_grad: torch.Tensor | None,
-        ok: torch.Tensor,
     ) -> None:
-        self.settings, self.buckets, self.muon, self.muon_grad, self.ok = settings, buckets, muon, muon_grad, ok
+        self.settings, self.buckets, self.muon, self.grads, self.muon_grad = settings, buckets, muon, grads, muon_grad
 
 
-def _local_inputs(states: dict, group: dict[str, Any], plan: Plan, grads: dict, device: torch.device) -> _Inputs:
+def shard_inputs(states: dict, group: dict[str, Any], plan: Plan) -> ShardInputs:
     """The step's inputs on this rank's local tensors (``plan.params`` are the group's active parameters).
 
     Advances the Adam step of the Adam-routed parameters and buckets them (dtype, bias
-    corrections, decay); flattens each bucket's and the Muon parameters' local gradients; and
-    reads this rank's finite gate from those few flat concatenations (not from every
-    gradient: three launches each).
+    corrections, decay); flattens each bucket's and the Muon parameters' local gradients, from
+    which :func:`local_gate` reads the finite gate (not from every gradient: three launches each).
     """
     settings = F.GroupSettings.of(group)
+    grads = {id(p): loop.grad_of(p) for p in (group["params"][layout.index] for layout in plan.params)}
     by_key: dict[tuple, _AdamBucket] = {}
     for layout in plan.params:
         if layout.route == "muon":
@@ -122,19 +125,26 @@ def _local_inputs(states: dict, group: dict[str, Any], plan: Plan, grads: dict, 
         b.grad = _flat([local_shard(grads[id(p)]) for p in b.params])
     muon = [group["params"][layout.index] for layout in plan.muon]
     muon_grad = _flat([local_shard(grads[id(p)]) for p in muon]) if muon else None
-    adam = [b.grad for b in buckets if b.grad is not None]  # also below ADAM_GRAD_LIMIT (functional.finite_gate)
-    flats = [muon_grad] if muon_grad is not None else []
-    ok = F.finite_gate(flats, adam).to(device) if flats or adam else torch.ones((), dtype=torch.float32, device=device)
-    return _Inputs(settings, buckets, muon, muon_grad, ok)
+    return ShardInputs(settings, buckets, muon, grads, muon_grad)
 
 
-def _local_adam(states: dict, settings: F.GroupSettings, buckets: list[_AdamBucket], ok: torch.Tensor) -> None:
-    """The Adam and AdamW routes in their buckets (:func:`_local_inputs`): one flat chain per bucket.
+def local_gate(inputs: ShardInputs, device: torch.device) -> torch.Tensor:
+    """The finite gate of this rank, from the flat gradients of :func:`shard_inputs` (Adam's also below its limit)."""
+    adam = [b.grad for b in inputs.buckets if b.grad is not None]
+    flats = [inputs.muon_grad] if inputs.muon_grad is not None else []
+    if not (flats or adam):
+        return torch.ones((), dtype=torch.float32, device=device)
+    return F.finite_gate(flats, adam).to(device)
+
+
+def local_adam(states: dict, inputs: ShardInputs, ok: torch.Tensor) -> None:
+    """The Adam and AdamW routes in their buckets (:func:`shard_inputs`): one flat chain per bucket.
 
     Elementwise kernels give the same bits on a concatenation, so this matches the loop bitwise.
     """
-    for b in buckets:
-        assert b.grad is not None  # _flat_grads ran
+    settings = inputs.settings
+    for b in inputs.buckets:
+        assert b.grad is not None  # shard_inputs flattened it
         locals_ = [local_shard(p) for p in b.params]
         moments = (
             [local_state(states, p, "exp_avg") for p in b.params],
@@ -159,24 +169,31 @@ def _local_adam(states: dict, settings: F.GroupSettings, buckets: list[_AdamBuck
         _write_back(moments[1], flat_v)
 
 
-def _local_muon(
-    states: dict,
-    settings: F.GroupSettings,
-    plan: Plan,
-    muon: list[torch.Tensor],
-    grads: dict[int, torch.Tensor],
-    flat_grad: torch.Tensor,
-    ok: torch.Tensor,
-    segments: Segments,
-    reduce: Callable[[torch.Tensor], Any],
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Decay, momentum and Magma of the Muon parameters ``muon`` (plan order), on local tensors.
+class LocalMuon:
+    """The Muon parameters' local tensors after :func:`local_momentum`: flat parameters (decayed), the update.
 
-    ``flat_grad``: their local gradients, flat (:func:`_local_inputs`). ``reduce`` completes
-    Magma's per-matrix sums in place (an all-reduce of the shards' partial sums). Returns
-    the local parameter tensors, their flat concatenation (decayed), the flat Nesterov update (in the
-    momentum's dtype) and Magma's multiplier per matrix (``None`` without Magma).
+    ``momentum`` and ``grad``: the flat momentum and sanitised gradient Magma's sums read.
     """
+
+    def __init__(
+        self,
+        locals_: list[torch.Tensor],
+        flat_p: torch.Tensor,
+        update: torch.Tensor,
+        momentum: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> None:
+        self.locals, self.flat_p, self.update, self.momentum, self.grad = locals_, flat_p, update, momentum, grad
+
+
+def local_momentum(states: dict, inputs: ShardInputs, plan: Plan, ok: torch.Tensor) -> LocalMuon:
+    """Decay, momentum and Nesterov update of the Muon parameters (plan order), on local tensors.
+
+    The update is in the momentum's dtype. Creates the Muon state (with Magma, each parameter's
+    replicated ``magma_score`` too: :func:`deepmd_hybridmuon.state.muon_state`).
+    """
+    settings, muon, grads = inputs.settings, inputs.muon, inputs.grads
+    assert inputs.muon_grad is not None  # the group has Muon parameters
     grad_dtypes, param_dtypes = {grads[id(p)].dtype for p in muon}, {p.dtype for p in muon}
     if len(grad_dtypes) > 1 or len(param_dtypes) > 1:
         dtypes = grad_dtypes | param_dtypes
@@ -184,79 +201,41 @@ def _local_muon(
             f"Muon parameters of one param_group in several dtypes {sorted(map(str, dtypes))} under FSDP2; "
             "HybridMuon needs one parameter dtype and one gradient dtype per group there"
         )
-    for p in muon:
-        state = states[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(grads[id(p)])  # a DTensor for a DTensor p
+    for layout, p in zip(plan.muon, muon, strict=True):
+        muon_state(states, p, grads[id(p)], layout.view[0] if settings.magma else None)  # type: ignore[index]
     bufs = [local_state(states, p, "momentum_buffer") for p in muon]
-    work = bufs[0].dtype
     locals_ = [local_shard(p) for p in muon]
     flat_p = _flat(locals_)
     flat_buf = _flat(bufs)
-    g = F.sanitize(flat_grad.to(work), ok)
+    g = F.sanitize(inputs.muon_grad.to(bufs[0].dtype), ok)
     if settings.weight_decay > 0:
         flat_p.mul_(F.gate_factor(settings.muon_decay, ok, flat_p.dtype))
     update = F.nesterov_momentum_(flat_buf, g, settings.momentum, ok)
     _write_back(bufs, flat_buf)
-    if not settings.magma:
-        return locals_, flat_p, update, None
+    return LocalMuon(locals_, flat_p, update, flat_buf, g)
 
-    scores = []
-    for layout, p in zip(plan.muon, muon, strict=True):
-        state = states[p]
-        score = state.get("magma_score")
-        if is_dtensor(score):
-            score = state["magma_score"] = score.full_tensor()
-        bs = layout.view[0]  # type: ignore[index]
-        if score is None or tuple(score.shape) != (bs,) or score.device != flat_p.device:
-            score = state["magma_score"] = torch.full(
-                (bs,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=flat_p.device
-            )
-        scores.append(score)
-    # The shards' partial sums are added across ranks, so they cannot be scaled per matrix
-    # (functional.magma_sums) without a scale agreed first. Instead they are float64 for inputs
-    # of at most 32 bits: no product of two finite float32 numbers, nor a sum of 2^700 of them,
-    # overflows float64, and float32's smallest numbers square to normal float64 ones.
-    # (float64 inputs are below functional.GRAD_LIMIT too, so their sums cannot overflow either.)
-    wide = torch.float64
-    m64, g64 = flat_buf.to(wide), g.to(wide)
-    products = torch.stack([m64 * g64, m64 * m64, g64 * g64], dim=1)  # (local elements, 3)
-    sums = segments.sums(products)
-    reduce(sums)
+
+def magma_partial_sums(local: LocalMuon, segments: Segments) -> torch.Tensor:
+    """Magma's sums per matrix over this rank's pieces: ``(matrices, 3)`` float64, ``m·g``, ``m·m``, ``g·g``.
+
+    The shards' partial sums are added across ranks, so they cannot be scaled per matrix
+    (functional.magma_sums) without a scale agreed first. Instead they are float64 for inputs
+    of at most 32 bits: no product of two finite float32 numbers, nor a sum of 2^700 of them,
+    overflows float64, and float32's smallest numbers square to normal float64 ones.
+    (float64 inputs are below functional.GRAD_LIMIT too, so their sums cannot overflow either.)
+    """
+    m64, g64 = local.momentum.to(torch.float64), local.grad.to(torch.float64)
+    return segments.sums(torch.stack([m64 * g64, m64 * m64, g64 * g64], dim=1))  # (local elements, 3) summed
+
+
+def magma_damp(states: dict, muon: list[torch.Tensor], sums: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Magma's multiplier per matrix from the whole-matrix ``sums``; advances every ``magma_score`` (gated)."""
+    scores = [states[p]["magma_score"] for p in muon]
     flat_score = _flat(scores)
     raw = F.magma_score(sums[:, 0], sums[:, 1].sqrt(), sums[:, 2].sqrt()).to(torch.float32)
     damp = F.magma_scale_(flat_score, raw, ok)
     _write_back(scores, flat_score)
-    return locals_, flat_p, update, damp
-
-
-def local_elementwise(
-    states: dict,
-    group: dict[str, Any],
-    plan: Plan,
-    device: torch.device,
-    shared: torch.Tensor | None,
-    agree: Callable[[torch.Tensor], Any],
-    segments: Segments,
-    reduce: Callable[[torch.Tensor], Any],
-) -> tuple[F.GroupSettings, torch.Tensor, tuple[Any, ...] | None]:
-    """The elementwise half of the FSDP2 step, on this rank's local tensors.
-
-    The finite gate (with ``shared``, the flag already agreed by ``nonfinite_across_ranks``;
-    ``agree`` makes the ranks agree on it in place: the all-reduces), the Adam routes, then
-    the Muon momentum, decay and Magma (``segments``, ``reduce``: :func:`_local_muon`). Returns
-    the group's settings, the gate and :func:`_local_muon`'s result (``None`` without Muon matrices).
-    """
-    active = [group["params"][layout.index] for layout in plan.params]
-    grads = {id(p): loop.grad_of(p) for p in active}
-    inputs = _local_inputs(states, group, plan, grads, device)
-    ok = inputs.ok if shared is None else torch.minimum(inputs.ok, shared.to(device))
-    agree(ok)
-    _local_adam(states, inputs.settings, inputs.buckets, ok)
-    if inputs.muon_grad is None:
-        return inputs.settings, ok, None
-    muon = _local_muon(states, inputs.settings, plan, inputs.muon, grads, inputs.muon_grad, ok, segments, reduce)
-    return inputs.settings, ok, muon
+    return damp
 
 
 class OwnedKernels:

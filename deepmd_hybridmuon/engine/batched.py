@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
+from .. import step
 from ..state import advance_powers
 from . import compilation
 from .layout import Layout, run_phased
@@ -109,34 +110,68 @@ class BatchedStep:
     # ---------------------------------------------------------------- device
 
     def compute(self, lanes: Lanes | None = None) -> None:
-        """All the arithmetic of the step; reads only the layout's buffers and :attr:`inputs`."""
-        lanes = lanes or Lanes()
+        """All the arithmetic of the step, by :func:`deepmd_hybridmuon.step.run`.
+
+        Reads only the layout's buffers and :attr:`inputs`.
+        """
         L = self.layout
-        # ok: 1.0, or 0.0 when a gradient is not finite or beyond its limit: the step is then skipped
-        # (functional.finite_gate).
-        if L.triton:  # the copy in also flags the spans a step cannot take (functional.finite_gate)
-            self.K.gather(self.inputs.addresses, L.spans, L.grad, L.span_finite)
-            ok = self.inputs.ok if self.shared_gate else L.span_finite.amin()
-        else:
-            ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
-        self.ok = ok  # captured: the graph's tensor, which each replay rewrites
+        self.lanes = lanes or Lanes()
         scalars = self.inputs.scalars
-        muon_decay, neg_lr, adamw_decay, one_minus_beta = scalars[:PARAM_DTYPE_SCALARS].to(L.dtype).unbind(0)
+        self.muon_decay, self.neg_lr, self.adamw_decay, one_minus_beta = (
+            scalars[:PARAM_DTYPE_SCALARS].to(L.dtype).unbind(0)
+        )
         compute = torch.promote_types(L.dtype, torch.float32)
-        betas = torch.stack([scalars[PARAM_DTYPE_SCALARS].to(compute), one_minus_beta.to(compute)])
-        # The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
-        # Nesterov update exists; captured, it runs on side streams while the main stream does
-        # Adam, the weight decay, Magma and the Triton launches (see _muon_update).
-        pending = self._muon_update(ok, betas, one_minus_beta, lanes) if L.muon else None
-        muon_decay = F.gate_factor(muon_decay, ok, L.dtype)
-        adamw_decay = F.gate_factor(adamw_decay, ok, L.dtype)
+        # [momentum, 1 - momentum] in the compute dtype, the second rounded through the parameters' dtype first
+        self.betas = torch.stack([scalars[PARAM_DTYPE_SCALARS].to(compute), one_minus_beta.to(compute)])
+        self.one_minus_beta = one_minus_beta
+        self.ok = step.run(self)  # captured: the graph's tensor, which each replay rewrites
+
+    # The phases of step.run, on the layout's buffers.
+
+    @property
+    def has_muon(self) -> bool:
+        """Whether the group has Muon matrices with gradients (phases 3-5 have work)."""
+        return bool(self.layout.muon)
+
+    def gate(self) -> torch.Tensor:
+        """1.0, or 0.0 when a gradient is not finite or beyond its limit (functional.finite_gate)."""
+        L = self.layout
+        if L.triton:  # the copy in also flags the spans a step cannot take
+            self.K.gather(self.inputs.addresses, L.spans, L.grad, L.span_finite)
+            return self.inputs.ok if self.shared_gate else L.span_finite.amin()
+        return self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
+
+    def adam(self, ok: torch.Tensor) -> None:
+        """Adam and AdamW into the update buffer; the decay waits for :meth:`apply`."""
+        L = self.layout
         if L.adam:  # each parameter's pair of scalars, spread over its elements
-            adam = scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per parameter
+            adam = self.inputs.scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per param
             neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # one gather kernel
             self._adam(neg_step * ok, bc2, ok, adam[:2])
-        if pending is not None:
-            self._muon(neg_lr * ok.to(L.dtype), ok, *pending, lanes)
-        self._apply(muon_decay, adamw_decay)
+
+    def before_orthogonalize(self, ok: torch.Tensor) -> None:
+        """Momentum and Nesterov update; the Newton-Schulz that reads only the update starts here.
+
+        The torch buckets' Newton-Schulz (the longest chains of kernels) and the phased groups'
+        first half start as soon as the update exists; captured, they run on side streams while
+        the main stream computes Magma's factors and runs the Triton launches. Magma's sums are
+        taken whole in :meth:`orthogonalize` (with the Triton kernels, in the launch that also
+        gives the factors). The decay waits for :meth:`apply`.
+        """
+        self.pending = self._muon_update(ok, self.betas, self.one_minus_beta, self.lanes)
+
+    def complete_sums(self) -> None:
+        """Nothing: each matrix's sums are whole in one process."""
+
+    def orthogonalize(self, ok: torch.Tensor) -> None:
+        """Magma's factors, then every Muon matrix's orthogonalised update times its factor, into ``muon_delta``."""
+        self._muon(self.neg_lr * ok.to(self.layout.dtype), ok, *self.pending, self.lanes)
+        self.pending = None
+
+    def apply(self, ok: torch.Tensor) -> None:
+        """``p <- p * decay + delta``, the decays gated."""
+        L = self.layout
+        self._apply(F.gate_factor(self.muon_decay, ok, L.dtype), F.gate_factor(self.adamw_decay, ok, L.dtype))
 
     def _apply(self, muon_decay: torch.Tensor, adamw_decay: torch.Tensor) -> None:
         """p <- p * decay + delta for every parameter (decay: Muon's, AdamW's, or none for Adam)."""
