@@ -71,10 +71,16 @@ class SkipCount:
 
     A skipped step is decided on the device (``functional.finite_gate``), and reading that
     decision every step would make the host wait for the GPU. So each step adds its gates to a
-    device counter (one small kernel per group), and the counter is copied to pinned host
-    memory without waiting; the host reads the copy once it has arrived (an event query, a step
-    or so later), then starts the next. On the CPU the count is read at once.
+    device counter (one small kernel per group), and now and then the counter is copied to
+    pinned host memory without waiting: at the 1st, 2nd, 4th, ... step, then every
+    :attr:`EVERY` steps (a copy costs the host three CUDA calls, a tenth of a small model's
+    step). The host reads the copy once it has arrived (an event query). A skip is therefore
+    logged at most :attr:`EVERY` steps or so after it happened. On the CPU the count is read at
+    once.
     """
+
+    #: Steps between two reads of the counters, once the first steps (powers of two) are read.
+    EVERY = 64
 
     def __init__(self) -> None:
         self.taken: dict[torch.device, torch.Tensor] = {}  # the gates added up, on each device
@@ -82,6 +88,7 @@ class SkipCount:
         self.host: dict[torch.device, torch.Tensor] = {}  # where the counters are copied
         self.copied: dict[torch.device, tuple[Any, int]] | None = None  # the copy in flight: (event, expected)
         self.logged = False
+        self.steps = 0
 
     def count(self, gates: list[torch.Tensor]) -> None:
         """Add this step's gates (1.0 taken, 0.0 skipped) to the counters; log if a copy shows a skip."""
@@ -95,7 +102,9 @@ class SkipCount:
                 self.expected[device] = 0
             self.taken[device].add_(gate)
             self.expected[device] += 1
-        if self.copied is None and self.taken:
+        self.steps += 1
+        due = self.steps & (self.steps - 1) == 0 or self.steps % self.EVERY == 0
+        if self.copied is None and self.taken and (due or not any(d.type == "cuda" for d in self.taken)):
             self.copied = {}
             for device, taken in self.taken.items():
                 cuda = device.type == "cuda"
