@@ -18,6 +18,7 @@ import collections
 import re
 import time
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -39,9 +40,8 @@ def compile_variant(
         "src_ptr": f"*{dtype}", "dst_ptr": f"*{dtype}", "work_ptr": work, "meta_ptr": "*i64", "count": "i32",
         "partial_ptr": "*fp64", "coef_ptr": "*fp32", "scale_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32",
     }  # fmt: skip
-    options = K.phased._phased_options(use_gram, shape, stop - first > 1)
+    options = K.phased.phased_launch(torch.float32, use_gram, shape, first, stop, stop - first > 1).kwargs
     constants = {k: v for k, v in options.items() if k not in ("num_warps", "launch_cooperative_grid")}
-    constants.update({"FIRST": first, "STOP": stop})
     signature.update(dict.fromkeys(constants, "constexpr"))
     # pointers 16-byte aligned, as Triton's launcher marks freshly allocated buffers
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items() if v.startswith("*")}

@@ -58,14 +58,14 @@ def build(device: torch.device, use_gram: bool, count: int, m: int, n: int) -> d
 
 def time_launch(group: dict, use_gram: bool, first: int, stop: int, sync: bool, cooperative: bool = True) -> float:
     """Median microseconds of one launch of phases ``first:stop``, replayed in a CUDA graph."""
-    options = K.phased._phased_options(use_gram, group["shape"], sync)
-    if not cooperative:
-        options.pop("launch_cooperative_grid", None)
+    declared = K.phased.phased_launch(group["args"][0].dtype, use_gram, group["shape"], first, stop, sync)
+    options = {**declared.kwargs, **({} if cooperative else {"launch_cooperative_grid": False})}
+    kernel = declared.kernel[(group["programs"],)]
 
     def launch() -> None:
         if sync:
             group["counter"].zero_()
-        K.phased._phased_kernel[(group["programs"],)](*group["args"], FIRST=first, STOP=stop, **options)
+        kernel(*group["args"], **options)
 
     return time_graph(launch)
 

@@ -7,7 +7,6 @@ the "compilation" is a stand-in child process, or the real worker failing for wa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -200,7 +199,7 @@ KINDS = [
 
 
 def _launched_kernels() -> set[str]:
-    """Every Triton kernel some module of the package launches from the host (``name[grid](...)``)."""
+    """Every Triton kernel some module of the package launches from the host directly (``name[grid](...)``)."""
     import re
     from pathlib import Path
 
@@ -208,9 +207,15 @@ def _launched_kernels() -> set[str]:
     return {m for path in folder.glob("*.py") for m in re.findall(r"(_\w+_kernel)\[", path.read_text())}
 
 
-def test_every_launched_kernel_is_declared_for_the_compile_process_and_specialises_on_types_only():
+def test_every_kernel_is_launched_through_its_declaration_and_specialises_on_types_only():
+    """The launchers launch through ``common.Launch`` objects, the same ones the compile process warms up.
+
+    That the arguments of every real launch are of the declared types: test_kernels.py
+    (``test_every_launch_has_the_declared_argument_types``).
+    """
     declared = {launch.kernel.fn.__name__: launch.kernel for key in KINDS for launch in K.compile._launches(key)}
-    assert set(declared) == _launched_kernels()
+    assert set(declared) == set(K.common.ALIGNED)  # every host-launched kernel (common.kernel)
+    assert _launched_kernels() == set()  # none launched but through a declaration
     for name, kernel in declared.items():
         # A value-specialised argument (an integer equal to 1 or divisible by 16, a pointer's
         # alignment) would make the engine's launch a variant the compile process never built;
@@ -234,9 +239,7 @@ def test_the_ledger_key_changes_with_everything_that_fixes_a_binary(monkeypatch)
     other = K.compile._launch_key(False, 64, 96)  # other constexprs (block sizes) of the same kernel
     assert ledger.name((*other, 0, torch.float32), (9, 0)) != ledger.name(base, (9, 0))
     # The options of a launch (num_warps, constexprs) and this package's sources are in the key.
-    changed = [
-        dataclasses.replace(launch, options=(*launch.options, ("num_warps", 2))) for launch in K.compile._launches(base)
-    ]
+    changed = [launch.with_options(num_warps=2) for launch in K.compile._launches(base)]
     original = K.compile._launches
     monkeypatch.setattr(K.compile, "_launches", lambda key: changed if key == base else original(key))
     assert ledger.name(base, (9, 0)) not in names

@@ -516,6 +516,43 @@ def test_adam_gradient_beyond_its_limit_skips_the_step_on_the_kernels(kernels):
         assert all(torch.isfinite(p).all() for p in params)
 
 
+def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
+    """Each real launch's arguments are of the types its declaration gives the compile process.
+
+    The declarations (``common.Launch``, ``compile._launches``) are what the compile process
+    warms up; a launch with other argument dtypes would be a variant compiled in the training
+    process. One engine step over matrices of every path (one program per matrix, Gram panels,
+    phased) with Magma and an Adam vector makes every kernel launch.
+    """
+    from conftest import make_optimizer
+
+    K, device = kernels
+    launched = set()
+    real = K.common.Launch.__call__
+
+    def checked(launch, grid, *args):
+        assert len(args) == len(launch.args), launch
+        for declared, actual in zip(launch.args, args, strict=True):
+            if isinstance(declared, torch.dtype):
+                assert isinstance(actual, torch.Tensor) and actual.dtype == declared, (launch, actual)
+            else:
+                assert type(actual) is type(declared), (launch, actual)
+        launched.add(launch.kernel.fn.__name__)
+        real(launch, grid, *args)
+
+    monkeypatch.setattr(K.common.Launch, "__call__", checked)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(32, 48), (16, 1100), (136, 140), (7,)]  # program, panels (Gram), phased, Adam
+    assert [K.launch_path(True, *s) for s in shapes[:3]] == ["program", "panel", "phased"]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    opt = make_optimizer(params, "engine-eager", lr=1e-3, enable_gram=True, magma_muon=True)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    opt.step()
+    assert opt.execution_table()[0]["kernels"] == "triton"
+    assert launched == set(K.common.ALIGNED)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_momentum_kernel_matches_the_reference(kernels, dtype):
     K, device = kernels

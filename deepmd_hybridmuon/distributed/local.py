@@ -16,7 +16,7 @@ from .. import functional as F
 from .. import loop
 from ..dtensor import local_shard
 from ..engine import compilation
-from ..engine.layout import assign, build_fused, build_phased, run_phased
+from ..engine.layout import assign, build_fused, build_phased, run_fused, run_phased
 from ..state import advance_adam_state, local_state, muon_state
 from .plan import Plan, _ShapeGroup
 
@@ -333,13 +333,7 @@ class OwnedKernels:
             run_phased(K, g, owned, out, factor, last=False)
             run_phased(K, g, owned, out, factor, last=True)
         for f in self.fused:
-            if f.panelled:
-                K.orthogonalize_panels(
-                    owned, out, f.work, f.table, f.panels, f.first, f.partial, f.down, f.q, f.inv, f.coefs, factor,
-                    f.rows,
-                )  # fmt: skip
-            else:
-                K.orthogonalize_blocks(owned, out, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram)
+            run_fused(K, f, owned, out, factor)
         return self.covered
 
 

@@ -32,7 +32,7 @@ from .. import functional as F
 from .. import step
 from ..state import advance_powers
 from . import compilation
-from .layout import Layout, run_phased
+from .layout import Layout, run_fused, run_phased
 
 __all__ = ["SCALARS", "BatchedStep", "Lanes", "StepInputs"]
 
@@ -284,13 +284,5 @@ class BatchedStep:
             with lanes.lane(len(L.buckets) + j):
                 run_phased(K, g, update, L.muon_delta, factor, last=True)
         for f in L.fused_paths:
-            if f.panelled:
-                K.orthogonalize_panels(
-                    update, L.muon_delta, f.work, f.table, f.panels, f.first, f.partial, f.down, f.q, f.inv,
-                    f.coefs, factor, f.rows,
-                )  # fmt: skip
-            else:
-                K.orthogonalize_blocks(
-                    update, L.muon_delta, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram
-                )
+            run_fused(K, f, update, L.muon_delta, factor)
         lanes.join()

@@ -209,6 +209,16 @@ def run_phased(
     )  # fmt: skip
 
 
+def run_fused(K: ModuleType, f: Fused, src: torch.Tensor, dst: torch.Tensor, factor: torch.Tensor) -> None:
+    """The launches of ``f``, which write ``factor * O`` of its matrices: one program each, or Gram panels."""
+    if f.panelled:
+        K.orthogonalize_panels(
+            src, dst, f.work, f.table, f.panels, f.first, f.partial, f.down, f.q, f.inv, f.coefs, factor, f.rows
+        )
+    else:
+        K.orthogonalize_blocks(src, dst, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram)
+
+
 class Layout:
     """Flat buffers, state views and path tables of one param_group.
 

@@ -146,6 +146,58 @@ def kernel(*aligned: str) -> Callable[[Callable[..., None]], Any]:
     return jit
 
 
+class Launch:
+    """One kernel launch, declared once by argument types: what fixes its binary, and how it is made.
+
+    ``args``: a ``torch.dtype`` for each pointer argument (a tensor), a Python ``int`` or
+    ``float`` for each scalar (only its type counts: :func:`kernel`); ``options``: the
+    constexprs and compile options. Each launcher makes its launches through these objects
+    (:meth:`__call__`), and the compile process warms the same objects up
+    (:meth:`warm_up`, ``compile._launches``), so what is compiled is what is launched.
+    """
+
+    __slots__ = ("args", "kernel", "kwargs", "options")
+
+    def __init__(self, kernel: Any, *args: Any, **options: Any) -> None:
+        self.kernel = kernel
+        self.args = args
+        self.options = tuple(sorted(options.items()))
+        self.kwargs = dict(self.options)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Launch) and (self.kernel, self.args, self.options) == (
+            other.kernel,
+            other.args,
+            other.options,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.kernel.fn.__name__, self.args, self.options))
+
+    def __repr__(self) -> str:
+        return f"Launch({self.describe()})"
+
+    def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
+        """Launch the kernel on ``grid`` with ``args`` (of the declared types)."""
+        self.kernel[grid](*args, **self.kwargs)
+
+    def with_options(self, **options: Any) -> Launch:
+        """The same launch with ``options`` added or replaced."""
+        return Launch(self.kernel, *self.args, **{**self.kwargs, **options})
+
+    def describe(self) -> str:
+        """Everything that fixes the compiled binary, as text (the compile ledger hashes it)."""
+        args = [str(a) if isinstance(a, torch.dtype) else type(a).__name__ for a in self.args]
+        return f"{self.kernel.fn.__name__}({', '.join(args)}; {list(self.options)!r})"
+
+    def warm_up(self, device: torch.device) -> None:
+        """Compile (or load from Triton's disk cache) this launch's binary and its host launcher."""
+        args = [torch.zeros(16, dtype=a, device=device) if isinstance(a, torch.dtype) else a for a in self.args]
+        compiled = self.kernel.warmup(*args, **self.kwargs, grid=(1,))
+        if compiled is not None and device.type == "cuda":
+            compiled.run  # noqa: B018  (loads the binary and builds or loads the launcher, as a first launch would)
+
+
 def work_dtype(use_gram: bool) -> torch.dtype:
     """Workspace dtype of the Gram (:data:`GRAM_WORK_DTYPE`) or standard iteration."""
     return GRAM_WORK_DTYPE if use_gram else STANDARD_WORK_DTYPE

@@ -8,10 +8,12 @@ The one thing built in the training process is Triton's own driver module (``cud
 per machine, in the set-up thread below).
 
 * A variant is identified by a key (:func:`_launch_key` plus device index and dtype) and
-  made of the launches :func:`_launches` declares for it. The launched kernels take no
-  value specialisation (:func:`.common.kernel`), so a variant is fixed by what those
-  declarations hold; the compile process warms each one up from them, and the engine's real
-  launches find exactly those binaries.
+  made of the launches :func:`_launches` gathers for it: the :class:`.common.Launch` objects
+  each kernel family declares once (``spans.span_launches``, ``magma.magma_launches``,
+  ``newton_schulz.blocks_launch``, ``panel.panel_variant``, ``phased.phased_launches``) and
+  its launchers launch through. The launched kernels take no value specialisation
+  (:func:`.common.kernel`), so a variant is fixed by what those declarations hold; the compile
+  process warms each one up from them, and the engine's real launches find exactly those binaries.
 * Triton hashes a kernel together with the helpers it calls, and the result depended on which
   kernels a process had launched before; importing the kernels hashes them all in one fixed
   order (:func:`.common.settle_hashes`), so the child and the training process agree.
@@ -50,21 +52,13 @@ from typing import Any
 
 import torch
 
-from .. import functional as F
-from .common import _warps, work_dtype
-from .magma import _MAGMA_OPTIONS, _magma_finish_kernel, _magma_partial_kernel
-from .newton_schulz import _newton_schulz_kernel, _ns_options
-from .panel import (
-    PANEL,
-    _panel_apply_kernel,
-    _panel_gram_kernel,
-    _panel_reduce_kernel,
-    panel_block,
-    panel_launches,
-)
+from .common import Launch
+from .magma import magma_launches
+from .newton_schulz import blocks_launch, blocks_options
+from .panel import panel_block, panel_variant
 from .paths import launch_path
-from .phased import _phased_kernel, _phased_options, padded, phase_count
-from .spans import _SPAN_OPTIONS, _apply_kernel, _gather_kernel, _momentum_kernel
+from .phased import padded, phased_launches
+from .spans import span_launches
 
 log = logging.getLogger("deepmd.hybridmuon")
 
@@ -467,32 +461,6 @@ def set_up(device: torch.device) -> None:
     registry.set_up(device)
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch of a variant, declared by argument types: what fixes its binary.
-
-    ``args``: a ``torch.dtype`` for each pointer argument (a tensor), a Python ``int`` or
-    ``float`` for each scalar (only its type counts: :func:`.common.kernel`); ``options``:
-    the constexprs and compile options, as keyword arguments.
-    """
-
-    kernel: Any
-    args: tuple[Any, ...]
-    options: tuple[tuple[str, Any], ...]
-
-    def describe(self) -> str:
-        """Everything that fixes the compiled binary, as text (the :class:`Ledger` hashes it)."""
-        args = [str(a) if isinstance(a, torch.dtype) else type(a).__name__ for a in self.args]
-        return f"{self.kernel.fn.__name__}({', '.join(args)}; {sorted(self.options)!r})"
-
-    def warm_up(self, device: torch.device) -> None:
-        """Compile (or load from Triton's disk cache) this launch's binary and its host launcher."""
-        args = [torch.zeros(16, dtype=a, device=device) if isinstance(a, torch.dtype) else a for a in self.args]
-        compiled = self.kernel.warmup(*args, **dict(self.options), grid=(1,))
-        if compiled is not None and device.type == "cuda":
-            compiled.run  # noqa: B018  (loads the binary and builds or loads the launcher, as a first launch would)
-
-
 def _device(key: Key) -> torch.device:
     """The CUDA device of a variant key (its index stands second to last, before the dtype)."""
     return torch.device("cuda") if key[-2] is None else torch.device("cuda", key[-2])
@@ -510,49 +478,20 @@ def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
     if path == "panel":
         return ("panel", panel_block(rows))
     if path == "program":
-        return ("ns", tuple(sorted(_ns_options(rows, cols, use_gram).items())))
+        return ("ns", blocks_options(rows, cols, use_gram))
     raise ValueError(f"no Triton kernel orthogonalises a {rows} x {cols} matrix (the torch path does)")
 
 
 def _launches(key: Key) -> list[Launch]:
-    """The launches of the variant ``key``, as the engine and the FSDP2 owners make them."""
+    """The launches of the variant ``key``: the objects through which the engine and the FSDP2 owners launch."""
     kind, dtype = key[0], key[-1]
-    f64, f32, f16, i64, i32 = torch.float64, torch.float32, torch.float16, torch.int64, torch.int32
-
-    def launch(kernel: Any, *args: Any, **options: Any) -> Launch:
-        return Launch(kernel, args, tuple(sorted(options.items())))
-
     if kind == "magma":
-        return [
-            launch(_magma_partial_kernel, dtype, dtype, i64, f32, 2, BLOCK=1024),
-            launch(_magma_finish_kernel, i64, f32, 2, f32, f32, f32, dtype, f32, **_MAGMA_OPTIONS),
-        ]
-    if kind == "phased":  # the engine's two launches: all phases but the last, and the last
-        use_gram, shape = key[1], key[2]
-        args = (dtype, dtype, work_dtype(use_gram), i64, 1, f64, f32, f32, i32, F.NS_EPS)
-        n = phase_count(use_gram)
-        return [
-            launch(_phased_kernel, *args, FIRST=first, STOP=stop, **_phased_options(use_gram, shape, stop - first > 1))
-            for first, stop in ((0, n - 1), (n - 1, n))
-        ]
+        return list(magma_launches(dtype))
     if kind == "spans":
-        betas = torch.promote_types(dtype, f32)
-        return [
-            launch(_gather_kernel, i64, i64, dtype, f32, **_SPAN_OPTIONS),
-            launch(_momentum_kernel, dtype, dtype, dtype, f32, betas, 16, BLOCK=_SPAN_OPTIONS["BLOCK"], num_warps=4),
-            launch(_apply_kernel, i64, i64, dtype, dtype, **_SPAN_OPTIONS, enable_fp_fusion=False),
-        ]
+        return list(span_launches(dtype))
+    if kind == "phased":
+        return list(phased_launches(dtype, key[1], key[2]))
     if kind == "panel":
-        bm = key[1]
-        warps = _warps(bm)
-        launches = [launch(_panel_gram_kernel, dtype, i64, i64, f32, f32, BM=bm, BN=PANEL, num_warps=warps)]
-        for reduce, apply in panel_launches():  # one (reduce, apply) pair per segment of the Gram schedule
-            launches.append(
-                launch(_panel_reduce_kernel, i64, f32, f32, f16, f32, f32, F.NS_EPS, BM=bm, **reduce, num_warps=warps)
-            )
-            args = (dtype, f16, dtype, i64, i64, f16, f32, f32, f32)
-            launches.append(launch(_panel_apply_kernel, *args, BM=bm, BN=PANEL, **apply, num_warps=warps))
-        return launches
-    options = dict(key[1])
-    args = (dtype, dtype, work_dtype(options["GRAM"]), i64, f32, f32, 2, F.NS_EPS)
-    return [launch(_newton_schulz_kernel, *args, **options)]
+        gram, segments = panel_variant(dtype, key[1])
+        return [gram, *(launch for pair in segments for launch in pair)]
+    return [blocks_launch(dtype, key[1])]

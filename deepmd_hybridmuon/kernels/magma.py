@@ -9,13 +9,14 @@ kernel's compile-time copy of the one in ``functional`` (``_MAGMA_OPTIONS``), no
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import triton.language as tl
 
 from .. import functional as F
-from .common import helper, kernel
+from .common import Launch, helper, kernel
 
 #: Elements per partial sum of the Magma kernel (a block spans one or more of them).
 MAGMA_CHUNK: int = 4096
@@ -165,8 +166,19 @@ def magma_factors(
     its chunks in order: deterministic, and long blocks are spread over many programs.
     """
     n_chunks = bounds.numel() - 1
-    _magma_partial_kernel[(n_chunks,)](momentum, grad, bounds, partial, n_chunks, BLOCK=1024)
-    _magma_finish_kernel[(scores.numel(),)](first, partial, n_chunks, base, scores, out, neg_lr, ok, **_MAGMA_OPTIONS)
+    sums, finish = magma_launches(momentum.dtype)
+    sums((n_chunks,), momentum, grad, bounds, partial, n_chunks)
+    finish((scores.numel(),), first, partial, n_chunks, base, scores, out, neg_lr, ok)
+
+
+@functools.cache
+def magma_launches(dtype: torch.dtype) -> tuple[Launch, Launch]:
+    """The two launches of :func:`magma_factors` for momentum and gradients of ``dtype``."""
+    i64, f32 = torch.int64, torch.float32
+    return (
+        Launch(_magma_partial_kernel, dtype, dtype, i64, f32, 2, BLOCK=1024),
+        Launch(_magma_finish_kernel, i64, f32, 2, f32, f32, f32, dtype, f32, **_MAGMA_OPTIONS),
+    )
 
 
 _MAGMA_OPTIONS: dict[str, Any] = {

@@ -27,6 +27,7 @@ import triton.language as tl
 from .. import functional as F
 from .common import (
     CHUNK,
+    Launch,
     _block,
     _inverse_norm,
     _load_chunk,
@@ -41,6 +42,7 @@ from .common import (
     helper,
     kernel,
     resident,
+    work_dtype,
 )
 from .panel import panelled
 
@@ -186,15 +188,14 @@ def orthogonalize_blocks(
     """
     if panelled(use_gram, rows, cols):
         raise ValueError(f"a {rows} x {cols} matrix takes the Gram iteration in panels: orthogonalize_panels")
-    _newton_schulz_kernel[(meta.size(0),)](
-        src, dst, work, meta, coefs, scale, coefs.size(0), F.NS_EPS, **_ns_options(rows, cols, use_gram)
-    )
+    launch = blocks_launch(src.dtype, blocks_options(rows, cols, use_gram))
+    launch((meta.size(0),), src, dst, work, meta, coefs, scale, coefs.size(0), F.NS_EPS)
 
 
-def _ns_options(rows: int, cols: int, use_gram: bool) -> dict[str, Any]:
-    """The compile-time options of a Newton–Schulz launch."""
+def blocks_options(rows: int, cols: int, use_gram: bool) -> tuple[tuple[str, Any], ...]:
+    """The compile-time options of the launch of :func:`orthogonalize_blocks` (sorted pairs): what fixes its variant."""
     bm, keep = _block(rows), resident(rows, cols)
-    return {
+    options = {
         "BM": bm,
         "BN": _block(cols) if keep else CHUNK,
         "GRAM": use_gram,
@@ -202,3 +203,11 @@ def _ns_options(rows: int, cols: int, use_gram: bool) -> dict[str, Any]:
         **gram_constants(),
         "num_warps": _warps(bm),
     }
+    return tuple(sorted(options.items()))
+
+
+def blocks_launch(dtype: torch.dtype, options: tuple[tuple[str, Any], ...]) -> Launch:
+    """The launch of :func:`orthogonalize_blocks` on vectors of ``dtype`` with ``options`` (:func:`blocks_options`)."""
+    kw = dict(options)
+    args = (dtype, dtype, work_dtype(kw["GRAM"]), torch.int64, torch.float32, torch.float32, 2, F.NS_EPS)
+    return Launch(_newton_schulz_kernel, *args, **kw)

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from .. import functional as F
 from .common import (
+    Launch,
     MetaColumn,
     _block,
     _load_chunk,
@@ -224,17 +225,46 @@ def orthogonalize_panels(
     float32 ``(panels,)``, ``q`` float16 ``(matrices, BM, BM)``, ``inv`` float32
     ``(matrices, 2)``, ``work`` float16 with room for every matrix; ``BM = panel_block(rows)``.
     """
-    bm = panel_block(rows)
+    gram, segments = panel_variant(src.dtype, panel_block(rows))
     n_panels, n_matrices = panels.size(0), meta.size(0)
+    gram((n_panels,), src, meta, panels, partial, down)
+    for reduce, apply in segments:
+        reduce((n_matrices,), first, partial, down, q, inv, coefs, F.NS_EPS)
+        apply((n_panels,), src, work, dst, meta, panels, q, inv, partial, scale)
+
+
+@functools.cache
+def panel_variant(dtype: torch.dtype, bm: int) -> tuple[Launch, tuple[tuple[Launch, Launch], ...]]:
+    """The launches of :func:`orthogonalize_panels` on vectors of ``dtype`` with blocks of ``bm``.
+
+    The Gram launch, then one (reduce, apply) pair per segment of the Gram schedule (:func:`panel_launches`).
+    """
+    i64, f32, f16 = torch.int64, torch.float32, torch.float16
     warps = _warps(bm)
-    _panel_gram_kernel[(n_panels,)](src, meta, panels, partial, down, BM=bm, BN=PANEL, num_warps=warps)
-    for reduce, apply in panel_launches():
-        _panel_reduce_kernel[(n_matrices,)](
-            first, partial, down, q, inv, coefs, F.NS_EPS, BM=bm, **reduce, num_warps=warps
+    gram = Launch(_panel_gram_kernel, dtype, i64, i64, f32, f32, BM=bm, BN=PANEL, num_warps=warps)
+    segments = tuple(
+        (
+            Launch(_panel_reduce_kernel, i64, f32, f32, f16, f32, f32, F.NS_EPS, BM=bm, **reduce, num_warps=warps),
+            Launch(
+                _panel_apply_kernel,
+                dtype,
+                f16,
+                dtype,
+                i64,
+                i64,
+                f16,
+                f32,
+                f32,
+                f32,
+                BM=bm,
+                BN=PANEL,
+                **apply,
+                num_warps=warps,
+            ),
         )
-        _panel_apply_kernel[(n_panels,)](
-            src, work, dst, meta, panels, q, inv, partial, scale, BM=bm, BN=PANEL, **apply, num_warps=warps
-        )
+        for reduce, apply in panel_launches()
+    )
+    return gram, segments
 
 
 def panel_block(rows: int) -> int:

@@ -37,7 +37,7 @@ import torch
 import triton.language as tl
 
 from .. import functional as F
-from .common import _load_chunk, _scaled_inverse_norm, _store_chunk, helper, kernel
+from .common import Launch, _load_chunk, _scaled_inverse_norm, _store_chunk, helper, kernel, work_dtype
 
 #: Largest smaller side of the phased path; larger matrices stay on cuBLAS (the torch path).
 #: Measured on the H100 (``benchmarks/phased_time.py --sweep``, BENCHMARKS.md): the whole
@@ -437,18 +437,30 @@ def orthogonalize_phased(
     args = (src, dst, work, meta, meta.size(0), partial, coefs, scale, counter, F.NS_EPS)
     if src.device.type != "cuda":  # the interpreter runs programs one after another: no barriers
         for ph in range(first, stop):
-            _phased_kernel[(programs,)](*args, FIRST=ph, STOP=ph + 1, **_phased_options(use_gram, shape, False))
+            phased_launch(src.dtype, use_gram, shape, ph, ph + 1, False)((programs,), *args)
         return
     sync = stop - first > 1
     if sync:
         counter.zero_()
-    _phased_kernel[(programs,)](*args, FIRST=first, STOP=stop, **_phased_options(use_gram, shape, sync))
+    phased_launch(src.dtype, use_gram, shape, first, stop, sync)((programs,), *args)
 
 
-def _phased_options(use_gram: bool, shape: tuple[int, int], sync: bool) -> dict[str, Any]:
+def phased_launches(dtype: torch.dtype, use_gram: bool, shape: tuple[int, int]) -> tuple[Launch, Launch]:
+    """The engine's two launches of a phased group on a GPU: every phase but the last, then the last."""
+    n = phase_count(use_gram)
+    return phased_launch(dtype, use_gram, shape, 0, n - 1, n > 2), phased_launch(
+        dtype, use_gram, shape, n - 1, n, False
+    )
+
+
+def phased_launch(
+    dtype: torch.dtype, use_gram: bool, shape: tuple[int, int], first: int, stop: int, sync: bool
+) -> Launch:
+    """The launch of :func:`orthogonalize_phased` for phases ``first:stop`` (``sync``: with grid barriers)."""
+    i64, f64, f32, i32 = torch.int64, torch.float64, torch.float32, torch.int32
     options = {"SCHEDULE": phased_schedule(use_gram), "GRAM": use_gram, "SQUARES": phased_square_slots(use_gram)}
-    options["SYNC"] = sync
-    options |= {"MP": shape[0], "NP": shape[1], "BM": TILE}
+    options |= {"SYNC": sync, "MP": shape[0], "NP": shape[1], "BM": TILE, "FIRST": first, "STOP": stop}
     if sync:  # grid barriers: a cooperative launch makes the driver place every program at once
         options["launch_cooperative_grid"] = True
-    return options | {"num_warps": 4}
+    args = (dtype, dtype, work_dtype(use_gram), i64, 1, f64, f32, f32, i32, F.NS_EPS)
+    return Launch(_phased_kernel, *args, **options, num_warps=4)

@@ -15,6 +15,7 @@ pass; its only numbers, beta and 1 - beta, come from the caller.
 
 from __future__ import annotations
 
+import functools
 from enum import IntEnum
 from typing import Any
 
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import functional as F
-from .common import helper, kernel
+from .common import Launch, helper, kernel
 
 #: Elements per program of the address-table kernels.
 SPAN: int = 8192
@@ -159,6 +160,18 @@ def _apply_kernel(addr_ptr, spans_ptr, delta_ptr, decay_ptr, BLOCK: tl.constexpr
 _SPAN_OPTIONS: dict[str, Any] = {"BLOCK": 1024, "num_warps": 4}
 
 
+@functools.cache
+def span_launches(dtype: torch.dtype) -> tuple[Launch, Launch, Launch]:
+    """The launches of :func:`gather`, :func:`momentum_update` and :func:`apply_updates` for vectors of ``dtype``."""
+    i64, f32 = torch.int64, torch.float32
+    betas = torch.promote_types(dtype, f32)  # the momentum's compute dtype
+    return (
+        Launch(_gather_kernel, i64, i64, dtype, f32, **_SPAN_OPTIONS),
+        Launch(_momentum_kernel, dtype, dtype, dtype, f32, betas, 16, **_SPAN_OPTIONS),
+        Launch(_apply_kernel, i64, i64, dtype, dtype, **_SPAN_OPTIONS, enable_fp_fusion=False),
+    )
+
+
 def gather(addresses: torch.Tensor, spans: torch.Tensor, flat: torch.Tensor, finite: torch.Tensor) -> None:
     """Copy the tensors at ``addresses`` (int64, contiguous, ``flat``'s dtype) into ``flat`` (:func:`span_table`).
 
@@ -167,7 +180,7 @@ def gather(addresses: torch.Tensor, spans: torch.Tensor, flat: torch.Tensor, fin
     ``spans``, ``flat`` and ``finite`` are tensors of their own, never views at an offset (the
     kernel is compiled for their alignment).
     """
-    _gather_kernel[(spans.size(0),)](addresses, spans, flat, finite, **_SPAN_OPTIONS)
+    span_launches(flat.dtype)[0]((spans.size(0),), addresses, spans, flat, finite)
 
 
 def momentum_update(
@@ -180,8 +193,7 @@ def momentum_update(
     gate (0: the momentum stays, ``grad`` is zeroed in place as ``functional.sanitize`` would).
     """
     n = grad.numel()
-    block = _SPAN_OPTIONS["BLOCK"]
-    _momentum_kernel[(triton.cdiv(n, block),)](grad, momentum, update, ok, betas, n, BLOCK=block, num_warps=4)
+    span_launches(grad.dtype)[1]((triton.cdiv(n, _SPAN_OPTIONS["BLOCK"]),), grad, momentum, update, ok, betas, n)
 
 
 def apply_updates(addresses: torch.Tensor, spans: torch.Tensor, delta: torch.Tensor, decays: torch.Tensor) -> None:
@@ -190,4 +202,4 @@ def apply_updates(addresses: torch.Tensor, spans: torch.Tensor, delta: torch.Ten
     The product is rounded before the sum (no fused multiply-add), as in torch's
     ``_foreach_mul_`` followed by ``_foreach_add_``.
     """
-    _apply_kernel[(spans.size(0),)](addresses, spans, delta, decays, **_SPAN_OPTIONS, enable_fp_fusion=False)
+    span_launches(delta.dtype)[2]((spans.size(0),), addresses, spans, delta, decays)
