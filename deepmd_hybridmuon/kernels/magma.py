@@ -9,7 +9,6 @@ kernel's compile-time copy of the one in ``functional`` (``_MAGMA_OPTIONS``), no
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -171,7 +170,6 @@ def magma_factors(
     finish((scores.numel(),), first, partial, n_chunks, base, scores, out, neg_lr, ok)
 
 
-@functools.cache
 def magma_launches(dtype: torch.dtype) -> tuple[Launch, Launch]:
     """The two launches of :func:`magma_factors` for momentum and gradients of ``dtype``."""
     i64, f32 = torch.int64, torch.float32

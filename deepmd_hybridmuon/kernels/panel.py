@@ -233,7 +233,6 @@ def orthogonalize_panels(
         apply((n_panels,), src, work, dst, meta, panels, q, inv, partial, scale)
 
 
-@functools.cache
 def panel_variant(dtype: torch.dtype, bm: int) -> tuple[Launch, tuple[tuple[Launch, Launch], ...]]:
     """The launches of :func:`orthogonalize_panels` on vectors of ``dtype`` with blocks of ``bm``.
 

@@ -15,7 +15,6 @@ pass; its only numbers, beta and 1 - beta, come from the caller.
 
 from __future__ import annotations
 
-import functools
 from enum import IntEnum
 from typing import Any
 
@@ -160,7 +159,6 @@ def _apply_kernel(addr_ptr, spans_ptr, delta_ptr, decay_ptr, BLOCK: tl.constexpr
 _SPAN_OPTIONS: dict[str, Any] = {"BLOCK": 1024, "num_warps": 4}
 
 
-@functools.cache
 def span_launches(dtype: torch.dtype) -> tuple[Launch, Launch, Launch]:
     """The launches of :func:`gather`, :func:`momentum_update` and :func:`apply_updates` for vectors of ``dtype``."""
     i64, f32 = torch.int64, torch.float32
