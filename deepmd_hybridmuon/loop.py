@@ -45,17 +45,20 @@ def step_group(
 
 
 class _Matrix:
-    """A Muon parameter through the step: its gradient and view, then its update and Magma sums, then its delta."""
+    """A Muon parameter through the step: its gradient and view, then its update and Magma sums."""
 
     def __init__(self, p: torch.Tensor, grad: torch.Tensor, view: tuple[int, int, int]) -> None:
         self.p, self.grad, self.view = p, grad, view
         self.update: torch.Tensor | None = None
         self.sums: tuple[torch.Tensor, ...] | None = None
-        self.delta: torch.Tensor | None = None
 
 
 class _Phases:
-    """The phases of :func:`deepmd_hybridmuon.step.run`, one parameter at a time, on the optimizer's state."""
+    """The phases of :func:`deepmd_hybridmuon.step.run`, one parameter at a time, on the optimizer's state.
+
+    Each Muon parameter takes its update as soon as its orthogonalised delta exists (in
+    :meth:`orthogonalize`): one delta alive at a time.
+    """
 
     def __init__(
         self,
@@ -131,22 +134,21 @@ class _Phases:
         """Nothing: each matrix's sums are whole in one process."""
 
     def orthogonalize(self, ok: torch.Tensor) -> None:
+        """Each matrix's scaled, damped, orthogonalised update, written into its parameter at once."""
         s = self.settings
         for m in self.matrices:
             assert m.update is not None  # before_orthogonalize ran
             bs, rows, cols = m.view
-            orth = F.orthogonalize(m.update.reshape(bs, rows, cols), s.use_gram)
-            m.update = None  # one update fewer alive
-            m.delta = orth * s.scale(rows, cols)
+            ok_here = self._ok(m.grad.device)
+            delta = F.orthogonalize(m.update.reshape(bs, rows, cols), s.use_gram) * s.scale(rows, cols)
+            m.update = None
             if m.sums is not None:
-                score = self.state[m.p]["magma_score"]
-                damp = F.magma_scale_(score, F.magma_score(*m.sums), self._ok(m.grad.device))
-                m.delta = m.delta * damp.view(bs, 1, 1).to(m.delta.dtype)
+                damp = F.magma_scale_(self.state[m.p]["magma_score"], F.magma_score(*m.sums), ok_here)
+                delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
+            m.p.addcmul_(delta.reshape(m.p.shape), ok_here.to(m.p.dtype) * -s.lr)
 
     def apply(self, ok: torch.Tensor) -> None:
-        for m in self.matrices:
-            assert m.delta is not None  # orthogonalize ran
-            m.p.addcmul_(m.delta.reshape(m.p.shape), self._ok(m.grad.device).to(m.p.dtype) * -self.settings.lr)
+        """Nothing left: the Adam routes wrote their parameters in :meth:`adam`, Muon's in :meth:`orthogonalize`."""
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor:

@@ -74,9 +74,9 @@ class SkipCount:
     device counter (one small kernel per group), and now and then the counter is copied to
     pinned host memory without waiting: at the 1st, 2nd, 4th, ... step, then every
     :attr:`EVERY` steps (a copy costs the host three CUDA calls, a tenth of a small model's
-    step). The host reads the copy once it has arrived (an event query). A skip is therefore
-    logged at most :attr:`EVERY` steps or so after it happened. On the CPU the count is read at
-    once.
+    step). The host reads the copy once it has arrived (an event query, at the next step). A skip
+    is therefore logged at most :attr:`EVERY` steps or so after it happened; one in the last
+    steps of a run may go unlogged. On the CPU the count is read at once.
     """
 
     #: Steps between two reads of the counters, once the first steps (powers of two) are read.
@@ -92,7 +92,7 @@ class SkipCount:
 
     def count(self, gates: list[torch.Tensor]) -> None:
         """Add this step's gates (1.0 taken, 0.0 skipped) to the counters; log if a copy shows a skip."""
-        if self.logged:
+        if self.logged or self._read():  # the copy in flight first: a due step then finds none
             return
         for gate in gates:
             device = gate.device
@@ -113,13 +113,19 @@ class SkipCount:
                 if event is not None:
                     event.record(torch.cuda.current_stream(device))
                 self.copied[device] = (event, self.expected[device])
-        if self.copied is not None and all(e is None or e.query() for e, _ in self.copied.values()):
-            skipped = sum(n - round(float(self.host[device])) for device, (_, n) in self.copied.items())
-            total = sum(n for _, n in self.copied.values())
-            self.copied = None
-            if skipped:
-                self.logged = True
-                log.warning(SKIPPED_LOG, skipped, total)
+            self._read()  # on the CPU, at once
+
+    def _read(self) -> bool:
+        """Read the copy in flight if it has arrived; log the first skip it shows. Whether it logged."""
+        if self.copied is None or not all(e is None or e.query() for e, _ in self.copied.values()):
+            return False
+        skipped = sum(n - round(float(self.host[device])) for device, (_, n) in self.copied.items())
+        total = sum(n for _, n in self.copied.values())
+        self.copied = None
+        if skipped:
+            self.logged = True
+            log.warning(SKIPPED_LOG, skipped, total)
+        return self.logged
 
 
 def _snapshot(value: Any) -> Any:

@@ -6,7 +6,8 @@ Every implementation of the step supplies the same phases on its own storage and
 * :mod:`.loop` (the reference): one parameter at a time, on the optimizer's state;
 * the flat engine (:mod:`.engine.batched`): batched over the group's flat buffers, eager or
   captured in a CUDA graph;
-* FSDP2 (:mod:`.distributed.local`): on each rank's shards, the Newton–Schulz on the matrices' owners.
+* FSDP2 (:mod:`.distributed.fsdp`, with :mod:`.distributed.local`): on each rank's shards, the
+  Newton–Schulz on the matrices' owners.
 
 The phases, in order:
 
@@ -23,8 +24,10 @@ The phases, in order:
    the multiplier and ``-lr``. An implementation may start the Newton–Schulz of its updates
    earlier, in ``before_orthogonalize`` (the engine does, on side streams), since it reads
    only the update; the factors are applied here.
-6. ``apply``: the parameters take their updates (an implementation may defer the weight decay
-   and the Adam update here, to write each parameter once).
+6. ``apply``: the parameters take their updates. An implementation may write a parameter
+   earlier, once its update exists (the loop: each Muon matrix in ``orthogonalize``, one
+   update alive at a time), or defer the weight decay and the Adam update here (the engine:
+   each parameter written once).
 
 Phases 3-5 run only when the group has Muon matrices in this step (:attr:`Phases.has_muon`).
 """

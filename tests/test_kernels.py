@@ -528,6 +528,7 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
 
     K, device = kernels
     launched = set()
+    seen = []
     real = K.common.Launch.__call__
 
     def checked(launch, grid, *args):
@@ -538,6 +539,7 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
             else:
                 assert type(actual) is type(declared), (launch, actual)
         launched.add(launch.kernel.fn.__name__)
+        seen.append(launch)
         real(launch, grid, *args)
 
     monkeypatch.setattr(K.common.Launch, "__call__", checked)
@@ -551,6 +553,14 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
     opt.step()
     assert opt.execution_table()[0]["kernels"] == "triton"
     assert launched == set(K.common.ALIGNED)
+    # ... and each launch is one of those the compile process warms up for this group's variants
+    # (under the interpreter the phased group runs one phase per launch: no variant of its own).
+    keys = [("spans", None, torch.float32), ("magma", None, torch.float32)]
+    keys += [(*K.compile._launch_key(True, *s), None, torch.float32) for s in shapes[:3]]
+    declared = {launch for key in keys for launch in K.compile._launches(key)}
+    for launch in seen:
+        if CUDA or launch.kernel.fn.__name__ != "_phased_kernel":
+            assert launch in declared, launch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -118,7 +118,7 @@ def test_a_group_on_the_cpu_and_a_gpu_steps_each_part_as_alone_and_skips_togethe
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU"))]
 )
 def test_skipped_steps_are_logged_once(implementation, device, caplog):
-    """The first skipped steps get one warning (on a GPU a step or so later: the count is read without waiting)."""
+    """The first skipped steps get one warning (on a GPU at a later read: the count is read without waiting)."""
     import logging
 
     from deepmd_hybridmuon.optimizer import SKIPPED_LOG

@@ -289,6 +289,7 @@ class _Phases:
         self.device = torch.device(mesh.device_type)
         self.pg = mesh.get_group(shard_dim)
         self.inputs = local.shard_inputs(states, group, plan)
+        self.with_muon = self.inputs.muon_grad is not None
         self.muon: local.LocalMuon | None = None
         self.sums: torch.Tensor | None = None
         self.delta: torch.Tensor | None = None
@@ -296,7 +297,7 @@ class _Phases:
     @property
     def has_muon(self) -> bool:
         """Whether the group has Muon matrices with gradients (phases 3-5 have work)."""
-        return self.inputs.muon_grad is not None
+        return self.with_muon
 
     def gate(self) -> torch.Tensor:
         """The gate of this rank, made the same on every rank: one all-reduce (min) per mesh dimension."""
@@ -311,11 +312,15 @@ class _Phases:
 
     def adam(self, ok: torch.Tensor) -> None:
         local.local_adam(self.states, self.inputs, ok)
+        for b in self.inputs.buckets:
+            b.grad = None  # the flat copies of the gradients: not needed any more
 
     def before_orthogonalize(self, ok: torch.Tensor) -> None:
         self.muon = local.local_momentum(self.states, self.inputs, self.plan, ok)
+        self.inputs.muon_grad = None  # copied into the sanitised gradient
         if self.inputs.settings.magma:
             self.sums = local.magma_partial_sums(self.muon, self.ex.segments)
+        self.muon.momentum = self.muon.grad = None  # only Magma's sums read them
 
     def complete_sums(self) -> None:
         """Magma: the whole-matrix sums from the shards' partial sums, one all-reduce (sum)."""
@@ -334,6 +339,7 @@ class _Phases:
         work = self.muon.update.dtype
         wire = local.wire_dtype(work)
         owned = to_owners(ex, self.muon.update.to(wire), self.pg).to(work)
+        self.muon.update = None
         delta = torch.empty_like(owned, dtype=wire)
         local.orthogonalize_owned(settings, owned, ex.groups, damp, delta, ex.kernels)
         self.delta = from_owners(ex, delta, self.pg)

@@ -179,9 +179,9 @@ class LocalMuon:
         self,
         locals_: list[torch.Tensor],
         flat_p: torch.Tensor,
-        update: torch.Tensor,
-        momentum: torch.Tensor,
-        grad: torch.Tensor,
+        update: torch.Tensor | None,
+        momentum: torch.Tensor | None,
+        grad: torch.Tensor | None,
     ) -> None:
         self.locals, self.flat_p, self.update, self.momentum, self.grad = locals_, flat_p, update, momentum, grad
 
@@ -224,6 +224,7 @@ def magma_partial_sums(local: LocalMuon, segments: Segments) -> torch.Tensor:
     overflows float64, and float32's smallest numbers square to normal float64 ones.
     (float64 inputs are below functional.GRAD_LIMIT too, so their sums cannot overflow either.)
     """
+    assert local.momentum is not None and local.grad is not None  # before they are released
     m64, g64 = local.momentum.to(torch.float64), local.grad.to(torch.float64)
     return segments.sums(torch.stack([m64 * g64, m64 * m64, g64 * g64], dim=1))  # (local elements, 3) summed
 
