@@ -40,7 +40,7 @@ def compile_variant(
         "src_ptr": f"*{dtype}", "dst_ptr": f"*{dtype}", "work_ptr": work, "meta_ptr": "*i64", "count": "i32",
         "partial_ptr": "*fp64", "coef_ptr": "*fp32", "scale_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32",
     }  # fmt: skip
-    options = K.phased.phased_launch(torch.float32, use_gram, shape, first, stop, stop - first > 1).kwargs
+    options = K.phased.phased_launch(torch.float32, use_gram, shape, first, stop).kwargs
     constants = {k: v for k, v in options.items() if k not in ("num_warps", "launch_cooperative_grid")}
     signature.update(dict.fromkeys(constants, "constexpr"))
     # pointers 16-byte aligned, as Triton's launcher marks freshly allocated buffers

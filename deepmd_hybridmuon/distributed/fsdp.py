@@ -316,11 +316,9 @@ class _Phases:
             b.grad = None  # the flat copies of the gradients: not needed any more
 
     def before_orthogonalize(self, ok: torch.Tensor) -> None:
-        self.muon = local.local_momentum(self.states, self.inputs, self.plan, ok)
+        segments = self.ex.segments if self.inputs.settings.magma else None
+        self.muon, self.sums = local.local_momentum(self.states, self.inputs, self.plan, ok, segments)
         self.inputs.muon_grad = None  # copied into the sanitised gradient
-        if self.inputs.settings.magma:
-            self.sums = local.magma_partial_sums(self.muon, self.ex.segments)
-        self.muon.momentum = self.muon.grad = None  # only Magma's sums read them
 
     def complete_sums(self) -> None:
         """Magma: the whole-matrix sums from the shards' partial sums, one all-reduce (sum)."""

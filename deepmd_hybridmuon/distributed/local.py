@@ -170,27 +170,20 @@ def local_adam(states: dict, inputs: ShardInputs, ok: torch.Tensor) -> None:
 
 
 class LocalMuon:
-    """The Muon parameters' local tensors after :func:`local_momentum`: flat parameters (decayed), the update.
+    """The Muon parameters' local tensors after :func:`local_momentum`: flat parameters (decayed), the update."""
 
-    ``momentum`` and ``grad``: the flat momentum and sanitised gradient Magma's sums read.
-    """
-
-    def __init__(
-        self,
-        locals_: list[torch.Tensor],
-        flat_p: torch.Tensor,
-        update: torch.Tensor | None,
-        momentum: torch.Tensor | None,
-        grad: torch.Tensor | None,
-    ) -> None:
-        self.locals, self.flat_p, self.update, self.momentum, self.grad = locals_, flat_p, update, momentum, grad
+    def __init__(self, locals_: list[torch.Tensor], flat_p: torch.Tensor, update: torch.Tensor | None) -> None:
+        self.locals, self.flat_p, self.update = locals_, flat_p, update
 
 
-def local_momentum(states: dict, inputs: ShardInputs, plan: Plan, ok: torch.Tensor) -> LocalMuon:
+def local_momentum(
+    states: dict, inputs: ShardInputs, plan: Plan, ok: torch.Tensor, segments: Segments | None
+) -> tuple[LocalMuon, torch.Tensor | None]:
     """Decay, momentum and Nesterov update of the Muon parameters (plan order), on local tensors.
 
     The update is in the momentum's dtype. Creates the Muon state (with Magma, each parameter's
-    replicated ``magma_score`` too: :func:`deepmd_hybridmuon.state.muon_state`).
+    replicated ``magma_score`` too: :func:`deepmd_hybridmuon.state.muon_state`). With Magma
+    (``segments``), also returns this rank's part of Magma's sums (:func:`magma_partial_sums`).
     """
     settings, muon, grads = inputs.settings, inputs.muon, inputs.grads
     assert inputs.muon_grad is not None  # the group has Muon parameters
@@ -212,10 +205,11 @@ def local_momentum(states: dict, inputs: ShardInputs, plan: Plan, ok: torch.Tens
         flat_p.mul_(F.gate_factor(settings.muon_decay, ok, flat_p.dtype))
     update = F.nesterov_momentum_(flat_buf, g, settings.momentum, ok)
     _write_back(bufs, flat_buf)
-    return LocalMuon(locals_, flat_p, update, flat_buf, g)
+    sums = None if segments is None else magma_partial_sums(flat_buf, g, segments)
+    return LocalMuon(locals_, flat_p, update), sums
 
 
-def magma_partial_sums(local: LocalMuon, segments: Segments) -> torch.Tensor:
+def magma_partial_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Magma's sums per matrix over this rank's pieces: ``(matrices, 3)`` float64, ``m·g``, ``m·m``, ``g·g``.
 
     The shards' partial sums are added across ranks, so they cannot be scaled per matrix
@@ -224,8 +218,7 @@ def magma_partial_sums(local: LocalMuon, segments: Segments) -> torch.Tensor:
     overflows float64, and float32's smallest numbers square to normal float64 ones.
     (float64 inputs are below functional.GRAD_LIMIT too, so their sums cannot overflow either.)
     """
-    assert local.momentum is not None and local.grad is not None  # before they are released
-    m64, g64 = local.momentum.to(torch.float64), local.grad.to(torch.float64)
+    m64, g64 = momentum.to(torch.float64), grad.to(torch.float64)
     return segments.sums(torch.stack([m64 * g64, m64 * m64, g64 * g64], dim=1))  # (local elements, 3) summed
 
 

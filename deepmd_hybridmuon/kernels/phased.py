@@ -437,26 +437,29 @@ def orthogonalize_phased(
     args = (src, dst, work, meta, meta.size(0), partial, coefs, scale, counter, F.NS_EPS)
     if src.device.type != "cuda":  # the interpreter runs programs one after another: no barriers
         for ph in range(first, stop):
-            phased_launch(src.dtype, use_gram, shape, ph, ph + 1, False)((programs,), *args)
+            phased_launch(src.dtype, use_gram, shape, ph, ph + 1)((programs,), *args)
         return
     sync = stop - first > 1
     if sync:
         counter.zero_()
-    phased_launch(src.dtype, use_gram, shape, first, stop, sync)((programs,), *args)
+    phased_launch(src.dtype, use_gram, shape, first, stop)((programs,), *args)
 
 
 def phased_launches(dtype: torch.dtype, use_gram: bool, shape: tuple[int, int]) -> tuple[Launch, Launch]:
     """The engine's two launches of a phased group on a GPU: every phase but the last, then the last."""
     n = phase_count(use_gram)
-    return phased_launch(dtype, use_gram, shape, 0, n - 1, n > 2), phased_launch(
-        dtype, use_gram, shape, n - 1, n, False
-    )
+    return phased_launch(dtype, use_gram, shape, 0, n - 1), phased_launch(dtype, use_gram, shape, n - 1, n)
 
 
 def phased_launch(
-    dtype: torch.dtype, use_gram: bool, shape: tuple[int, int], first: int, stop: int, sync: bool
+    dtype: torch.dtype, use_gram: bool, shape: tuple[int, int], first: int, stop: int, sync: bool | None = None
 ) -> Launch:
-    """The launch of :func:`orthogonalize_phased` for phases ``first:stop`` (``sync``: with grid barriers)."""
+    """The launch of :func:`orthogonalize_phased` for phases ``first:stop``.
+
+    ``sync``: with grid barriers between the phases; by default when it runs more than one
+    phase (``benchmarks/phased_time.py`` also times a launch without them).
+    """
+    sync = stop - first > 1 if sync is None else sync
     i64, f64, f32, i32 = torch.int64, torch.float64, torch.float32, torch.int32
     options = {"SCHEDULE": phased_schedule(use_gram), "GRAM": use_gram, "SQUARES": phased_square_slots(use_gram)}
     options |= {"SYNC": sync, "MP": shape[0], "NP": shape[1], "BM": TILE, "FIRST": first, "STOP": stop}
