@@ -19,18 +19,6 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = [
-    "CHECK_DESCRIPTION",
-    "CHECK_HELP",
-    "CheckError",
-    "add_check_arguments",
-    "check_input",
-    "lr_hint",
-    "main",
-    "run_check",
-    "triton_decision",
-]
-
 #: One line for the list of subcommands (``dp -h``, ``dp-hybridmuon -h``).
 CHECK_HELP = "validate a dp train input with the HybridMuon schema and print its optimizer routing"
 #: The description of ``check -h``.

@@ -10,8 +10,6 @@ import functools
 
 import torch
 
-__all__ = ["is_dtensor", "local_shard"]
-
 
 @functools.cache
 def _dtensor_class() -> type | None:

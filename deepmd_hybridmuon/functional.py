@@ -19,48 +19,6 @@ from typing import Literal
 
 import torch
 
-__all__ = [
-    "ADAM_EPS",
-    "ADAM_GRAD_LIMIT",
-    "GRAD_LIMIT",
-    "GRAM_RESTART_ITERATIONS",
-    "MAGMA_EMA_DECAY",
-    "MAGMA_INITIAL_SCORE",
-    "MAGMA_MIN_SCALE",
-    "MAGMA_TAU",
-    "MUON_MODES",
-    "NS_EPS",
-    "NS_FAST_COEFFS",
-    "NS_FAST_STEPS",
-    "NS_POLISH_COEFFS",
-    "NS_POLISH_STEPS",
-    "POLAR_EXPRESS_COEFFS",
-    "GramSchedule",
-    "GroupSettings",
-    "ParamRoute",
-    "adam_learning_rate",
-    "adam_update_",
-    "effective_shape",
-    "finite_gate",
-    "gate_factor",
-    "gram_newton_schulz",
-    "gram_schedule",
-    "leaf_name",
-    "magma_raw_score",
-    "magma_score",
-    "magma_sums",
-    "matrix_view",
-    "muon_scale",
-    "name_route",
-    "nesterov_momentum_",
-    "newton_schulz",
-    "orthogonalize",
-    "pow2_downscale",
-    "route_parameter",
-    "sanitize",
-    "standard_schedule",
-]
-
 Route = Literal["muon", "adam", "adamw"]
 MuonMode = Literal["2d", "flat", "slice"]
 

@@ -25,8 +25,6 @@ from . import step
 from .dtensor import is_dtensor
 from .state import advance_adam_state, muon_state
 
-__all__ = ["grad_of", "step_group"]
-
 
 def step_group(
     state: dict,

@@ -20,14 +20,13 @@ from torch.optim.optimizer import Optimizer
 from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine, compilation
-from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS
+from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS, constructor_doc
 from .state import check_state_dict
 from .validation import REMOVED_KEYS, check_gradients, check_option, check_parameters, check_removed, validate_group
 
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
 log = logging.getLogger("deepmd.hybridmuon")
 
-__all__ = ["HybridMuonOptimizer"]
 
 #: The log line once a group's flat engine runs the Triton kernels (benchmarks read it).
 KERNELS_IN_USE_LOG = "Triton kernels in use from step %d of this run"
@@ -235,42 +234,11 @@ class HybridMuonOptimizer(Optimizer):
     ----------
     params
         Parameters or param_group dicts.
-    lr
-        Learning rate, >= 0.
-    momentum
-        Muon momentum, in [0, 1).
-    weight_decay
-        Decoupled weight decay of the Muon and AdamW routes, >= 0.
-    adam_betas
-        (beta1, beta2) of the Adam routes, each in [0, 1).
-    lr_adjust
-        <= 0: match-RMS Muon scale and Adam at ``lr``; > 0: rectangular Muon scale
-        and Adam at ``lr / lr_adjust``.
-    lr_adjust_coeff
-        Coefficient of the match-RMS scale, >= 0.
-    muon_mode
-        ``"2d"``, ``"flat"`` or ``"slice"``.
     named_parameters
         ``(name, parameter)`` pairs for name-based routing (or call :meth:`set_param_names`).
-    enable_gram
-        Gram Newton–Schulz for rectangular matrices.
-    flash_muon
-        Triton kernels (:mod:`deepmd_hybridmuon.kernels`) for the flat engine on CUDA: one
-        launch orthogonalises every Muon matrix with a smaller side <= 128, one persistent
-        launch per shape those with a smaller side <= 256, one computes Magma, three copy
-        the gradients in, update the momentum and write the parameters; compiled in the
-        background on first use. ``False``: batched torch kernels.
-    magma_muon
-        Magma-lite damping of Muon updates.
     use_foreach
         Accepted (``True``, ``False`` or ``None``) and ignored: deepmd-kit's trainer passes it.
         The step always batches its work (the flat engine).
-    nonfinite_across_ranks
-        Keyword-only. For an optimizer that sees only part of the parameters on each rank
-        (the local optimizer of ``ZeroRedundancyOptimizer``, deepmd's ``zero_stage`` 1): every
-        ``step()`` all-reduces the finite flag over the default process group, so a
-        non-finite gradient anywhere skips the step on every rank. Every rank must then call
-        ``step()`` the same number of times. The plugin turns it on for ``zero_stage`` 1.
     removed
         Options that were removed (``ddp_split``) raise a ``ValueError`` that says what to do
         (:data:`deepmd_hybridmuon.validation.REMOVED_KEYS`); other unknown keywords a ``TypeError``.
@@ -663,3 +631,7 @@ class HybridMuonOptimizer(Optimizer):
             fresh = isinstance(runner, GroupEngine) and runner.signature == self._engine_signature(group)
             rows.append(runner.summary() if fresh else {"implementation": "loop"})
         return rows
+
+
+if HybridMuonOptimizer.__doc__:  # None under ``python -OO``
+    HybridMuonOptimizer.__doc__ = HybridMuonOptimizer.__doc__.rstrip(" ") + constructor_doc()

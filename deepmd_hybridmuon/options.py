@@ -10,12 +10,11 @@ order (the order ``dp check`` prints).
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
 from .functional import MUON_MODES
-
-__all__ = ["GROUP_KEYS", "OPTIMIZER_KEYS", "OPTION", "OPTIONS", "SETTINGS", "Option"]
 
 
 @dataclass(frozen=True)
@@ -236,3 +235,24 @@ GROUP_KEYS: tuple[str, ...] = (
     "enable_gram",
     "magma_muon",
 )
+
+
+def constructor_doc(indent: str = "    ") -> str:
+    """The NumPy-docstring entries of the constructor's options (scope group or optimizer), from their rows.
+
+    Appended to :class:`.optimizer.HybridMuonOptimizer`'s docstring, so that it says what the schema says.
+    """
+    entries = []
+    for option in OPTIONS:
+        if option.scope not in ("group", "optimizer"):
+            continue
+        text = f"{option.doc} Default {option.default!r}"
+        if option.items:
+            text += f"; each item {option.items[0].allowed}."
+        else:
+            text += "." if option.choices or option.types == (bool,) else f"; {option.allowed}."
+        if not option.input_key and option.scope == "optimizer":
+            text += " Keyword-only; not a key of the input file."
+        body = textwrap.fill(text, 100, initial_indent=indent * 2, subsequent_indent=indent * 2)
+        entries.append(f"{indent}{option.name}\n{body}\n")
+    return "".join(entries)

@@ -42,21 +42,6 @@ from .schema import HYBRID_MUON_DOC, hybrid_muon_arguments, resolve_legacy_keys
 from .state import check_state_dict, written_by_hybridmuon
 from .validation import GROUP_KEYS
 
-__all__ = [
-    "SUPPORTED_DEEPMD",
-    "add_dp_check",
-    "check_deepmd_version",
-    "disabled_notice",
-    "on_deepmd_backend",
-    "on_deepmd_pt",
-    "on_deepmd_pt_expt",
-    "optimizer_kwargs",
-    "patch_trainer",
-    "register_schema",
-    "routing_summary",
-    "train_input_arguments",
-]
-
 log = logging.getLogger("deepmd.hybridmuon")
 
 #: deepmd-kit versions whose trainer seam this release was checked against.

@@ -17,14 +17,6 @@ from dargs import Argument
 from .options import OPTIONS, Option
 from .validation import REMOVED_KEYS, check_option
 
-__all__ = [
-    "HYBRID_MUON_DOC",
-    "LEGACY_KEYS",
-    "hybrid_muon_arguments",
-    "options_markdown",
-    "resolve_legacy_keys",
-]
-
 HYBRID_MUON_DOC = (
     "HybridMuon optimizer (the deepmd-hybridmuon plugin; drop-in for deepmd-kit's built-in). "
     "Muon (Nesterov momentum, Newton-Schulz orthogonalisation, optional Magma-lite damping) for "

@@ -25,19 +25,6 @@ from .dtensor import is_dtensor, local_shard
 from .options import OPTIMIZER_KEYS
 from .validation import GROUP_KEYS, validate_group
 
-__all__ = [
-    "ADAM_STATE",
-    "MUON_STATE",
-    "adopt",
-    "advance_adam_state",
-    "advance_powers",
-    "check_state_dict",
-    "follow_shape",
-    "local_state",
-    "muon_state",
-    "written_by_hybridmuon",
-]
-
 #: State of an Adam-routed parameter: all four keys, or none.
 ADAM_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "beta1_pow", "beta2_pow")
 #: State of a Muon-routed parameter (``magma_score`` only with Magma).

@@ -38,8 +38,6 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Phases", "run"]
-
 
 class Phases(Protocol):
     """One step of one param_group, phase by phase, on one implementation's storage."""

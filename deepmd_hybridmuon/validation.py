@@ -14,17 +14,6 @@ import torch
 
 from .options import GROUP_KEYS, OPTION, OPTIONS, Option
 
-__all__ = [
-    "GROUP_KEYS",
-    "REMOVED_KEYS",
-    "check_gradients",
-    "check_number",
-    "check_option",
-    "check_parameters",
-    "check_removed",
-    "validate_group",
-]
-
 #: Keys other code may add to a param_group: torch's schedulers and named groups.
 _FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
 #: Options that were removed, and what to do instead. The constructor, ``add_param_group`` and

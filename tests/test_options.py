@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,18 @@ def test_the_constructor_defaults_are_the_table():
     assert {o.name: getattr(opt, o.name) for o in OPTIONS if o.scope == "optimizer"} == {
         o.name: o.default for o in OPTIONS if o.scope == "optimizer"
     }
+
+
+def test_the_constructor_docstring_documents_every_keyword_with_the_tables_text():
+    parameters = inspect.getdoc(HybridMuonOptimizer).split("Parameters\n----------\n", 1)[1]
+    assert re.findall(r"^(\w+)$", parameters, re.M) == [
+        *("params", "named_parameters", "use_foreach", "removed"),
+        *(o.name for o in CONSTRUCTOR_ROWS),
+    ]
+    assert set(re.findall(r"^(\w+)$", parameters, re.M)) == set(inspect.signature(HybridMuonOptimizer).parameters)
+    flowing = " ".join(parameters.split())
+    for option in CONSTRUCTOR_ROWS:
+        assert " ".join(option.doc.split()) in flowing, option.name
 
 
 def test_the_group_keys_are_the_rows_of_scope_group():

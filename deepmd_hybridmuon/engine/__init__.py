@@ -29,6 +29,5 @@ from __future__ import annotations
 
 from .compilation import triton_runs_on
 from .group import GroupEngine
-from .layout import bucket_key
 
-__all__ = ["GroupEngine", "bucket_key", "triton_runs_on"]
+__all__ = ["GroupEngine", "triton_runs_on"]

@@ -34,8 +34,6 @@ from ..state import advance_powers
 from . import compilation
 from .layout import Layout, run_fused, run_phased
 
-__all__ = ["SCALARS", "BatchedStep", "Lanes", "StepInputs"]
-
 #: The step's scalars, read from the group every step (a scheduler may change any of them), each in the
 #: dtype the loop uses it in. First, in the parameters' dtype: Muon decay, -lr, AdamW decay, 1 - momentum.
 PARAM_DTYPE_SCALARS = 4

@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["kernels", "prepare_device", "request", "settle", "triton_runs_on"]
-
 #: The kernels' bfloat16 tensor-core products need compute capability 8.0 (A100) or newer.
 MIN_CAPABILITY = (8, 0)
 

@@ -36,8 +36,6 @@ import torch
 from . import compilation
 from .batched import BatchedStep, Lanes
 
-__all__ = ["GRAPH_WARMUP", "Executor", "SideStreams"]
-
 #: Eager steps before a CUDA graph of the step is captured.
 GRAPH_WARMUP = 2
 #: Pinned host buffers in the staging ring.

@@ -13,8 +13,6 @@ from .batched import BatchedStep, StepInputs
 from .execution import Executor
 from .layout import Layout, kernel_paths
 
-__all__ = ["GroupEngine"]
-
 
 class GroupEngine:
     """The flat engine of one param_group, built by the optimizer.

@@ -26,8 +26,6 @@ import torch
 from .. import functional as F
 from ..state import adopt
 
-__all__ = ["Bucket", "Fused", "Layout", "Phased", "assign", "bucket_key", "kernel_paths", "split_views"]
-
 #: One Muon parameter as the layout sees it: (parameter, (batch, rows, cols) of its matrix view).
 MuonEntry = tuple[torch.Tensor, tuple[int, int, int]]
 

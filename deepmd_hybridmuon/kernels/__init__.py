@@ -47,23 +47,19 @@ from __future__ import annotations
 
 from . import common, compile  # the modules holding the settings (module docstring)
 from .common import (
-    CHUNK,
     MAX_ROWS,
     META_COLS,
-    RESIDENT_ELEMENTS,
     MetaColumn,
     coefficient_table,
     gram_constants,
     resident,
     work_dtype,
 )
-from .compile import KernelRegistry, compile_worker, prepare, set_up, wait_ready
-from .magma import MAGMA_CHUNK, MAGMA_PARTIALS, magma_chunks, magma_factors
+from .compile import KernelRegistry, prepare, set_up, wait_ready
+from .magma import MAGMA_PARTIALS, magma_chunks, magma_factors
 from .newton_schulz import orthogonalize_blocks
 from .panel import (
     PANEL,
-    PANEL_COLS,
-    PanelColumn,
     orthogonalize_panels,
     panel_block,
     panel_launches,
@@ -73,52 +69,35 @@ from .paths import launch_path
 from .phased import (
     DST,
     MAX_PHASED_ROWS,
-    PHASE_COLS,
-    PHASED_META_COLS,
-    TILE,
     PhaseColumn,
-    PhasedColumn,
     PhaseKind,
     orthogonalize_phased,
     padded,
     phase_count,
     phased_schedule,
-    phased_square_slots,
     phased_tiles,
     phased_workspace,
 )
-from .spans import SPAN, SPAN_COLS, SpanColumn, apply_updates, gather, momentum_update, span_table
+from .spans import SPAN, apply_updates, gather, momentum_update, span_table
 
 common.settle_hashes()  # the same cache keys in every process (common.settle_hashes)
 
 __all__ = [
-    "CHUNK",
     "DST",
-    "MAGMA_CHUNK",
     "MAGMA_PARTIALS",
     "MAX_PHASED_ROWS",
     "MAX_ROWS",
     "META_COLS",
     "PANEL",
-    "PANEL_COLS",
-    "PHASED_META_COLS",
-    "PHASE_COLS",
-    "RESIDENT_ELEMENTS",
     "SPAN",
-    "SPAN_COLS",
-    "TILE",
     "KernelRegistry",
     "MetaColumn",
-    "PanelColumn",
     "PhaseColumn",
     "PhaseKind",
-    "PhasedColumn",
-    "SpanColumn",
     "apply_updates",
     "coefficient_table",
     "common",
     "compile",
-    "compile_worker",
     "gather",
     "gram_constants",
     "launch_path",
@@ -134,7 +113,6 @@ __all__ = [
     "panel_table",
     "phase_count",
     "phased_schedule",
-    "phased_square_slots",
     "phased_tiles",
     "phased_workspace",
     "prepare",
