@@ -47,8 +47,8 @@ class SideStreams(Lanes):
 
     def __init__(self, device: torch.device, count: int) -> None:
         self.device = device
-        # High priority: these chains are the step's critical path (3 % faster steps on
-        # the H100 for the buckets, BENCHMARKS.md).
+        # High priority: these chains are the step's critical path. Run on the current stream
+        # instead, the step was slower on every model measured (BENCHMARKS.md, "Why side streams").
         self.streams = [torch.cuda.Stream(device, priority=-1) for _ in range(count)]
 
     def lane(self, i: int) -> contextlib.AbstractContextManager:
