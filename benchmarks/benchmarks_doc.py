@@ -56,6 +56,7 @@ def sources(names: list[str]) -> str:
         s = source(name)
         lines.append(
             f"- `{name}`: {s['machine']}, {s['date']}, commit {s['commit']}: `{s['command']}`"
+            + (f" ({s['note']})" if s.get("note") else "")
             + (f" (transcribed from {data_from})" if (data_from := load(name).get("transcribed_from")) else "")
         )
     return "Sources:\n\n" + "\n".join(lines)
@@ -250,18 +251,27 @@ def several_gpus() -> str:
 # ---------------------------------------------------------------------------- the step alone
 
 
+#: The step table's run: ours, the built-in and AdamW in one process, at the code that made these documents.
+STEP = "step_time_h100_2026-11-27.json"
+#: Runs of the same step code (ours and AdamW) on other H100 machines that day: how much the numbers move.
+STEP_RUNS = [STEP, *(f"step_time_h100_2026-11-27_{k}.json" for k in ("a1", "a2", "b1", "b2", "c1", "c2"))]
+#: The side streams' design measurement: (with them, without), two runs each, interleaved on one machine.
+SIDE_STREAMS = [
+    (f"step_time_h100_2026-11-27_{k}.json", f"step_time_h100_2026-11-27_{k}_no_side_streams.json") for k in ("b1", "b2")
+]
+
+
+def step_medians(name: str, config: str) -> dict[str, float]:
+    """The median ms of each variant of one model in a step_time.py results file."""
+    return {r["variant"]: r["median_ms"] for r in load(name)["configs"][config]["results"] if r.get("ok")}
+
+
 def step_rows() -> list[list[Any]]:
-    """(model, file, ours, adamw, builtin) median ms of the optimizer step alone."""
+    """(model, file, ours, adamw, builtin, how) median ms of the optimizer step alone."""
     rows = []
-    h = load("step_time_h100_2026-11-22.json")
-    for config, m in h["median_ms"].items():
-        rows.append([config, "step_time_h100_2026-11-22.json", m["ours"], m["adamw"], m["builtin"], "step_time.py"])
-    d = load("step_time_dpa4_h100_2026-11-23.json")
-    for config in ("dpa3_water", "dpa4_water"):
-        med = {r["variant"]: r["median_ms"] for r in d["configs"][config]["results"] if r.get("ok")}
-        rows.append(
-            [config, "step_time_dpa4_h100_2026-11-23.json", med["ours"], med["adamw"], med["builtin"], "step_time.py"]
-        )
+    for config in load(STEP)["configs"]:
+        med = step_medians(STEP, config)
+        rows.append([config, STEP, med["ours"], med["adamw"], med["builtin"], "step_time.py"])
     p = load("multi_gpu_dpa4_h100x1_stage0_pairs_2026-11-25.json")
     for i, pair in enumerate(p["pairs"], 1):
         m = pair["optimizer_step_median_ms"]
@@ -301,6 +311,29 @@ def step_alone() -> str:
     head = ["model", "date, commit", "timed by", "ours median ms", "fused AdamW", "built-in", "ours / AdamW"]
     head.append("built-in / ours")
     return table(head, rows, right=3) + "\n\n" + sources(list(dict.fromkeys(r[1] for r in step_rows())))
+
+
+def step_spread() -> str:
+    spread = []
+    for config in load(STEP)["configs"]:
+        meds = [step_medians(name, config) for name in STEP_RUNS]
+        ours, adamw = [m["ours"] for m in meds], [m["adamw"] for m in meds]
+        ratios = [m["ours"] / m["adamw"] for m in meds]
+        spread.append(
+            [
+                MODEL[config],
+                f"{statistics.median(ours):.2f} ({min(ours):.2f}{DASH}{max(ours):.2f})",
+                f"{statistics.median(adamw):.2f} ({min(adamw):.2f}{DASH}{max(adamw):.2f})",
+                f"{min(ratios):.2f}{DASH}{max(ratios):.2f}",
+            ]
+        )
+    head = [
+        "model",
+        f"ours median ms, median of {len(STEP_RUNS)} runs (range)",
+        "fused AdamW (range)",
+        "ours / AdamW, each run",
+    ]
+    return table(head, spread) + "\n\n" + sources(STEP_RUNS)
 
 
 # ------------------------------------------------------------------------------- cold start
@@ -384,6 +417,25 @@ def design_graph() -> str:
     return table(head, rows, right=2) + "\n\n" + sources([n for n, _ in GRAPH])
 
 
+def design_side_streams() -> str:
+    rows = []
+    for config in load(STEP)["configs"]:
+        with_, without = zip(
+            *((step_medians(on, config)["ours"], step_medians(off, config)["ours"]) for on, off in SIDE_STREAMS),
+            strict=True,
+        )
+        rows.append(
+            [
+                MODEL[config],
+                " / ".join(f"{x:.2f}" for x in with_),
+                " / ".join(f"{x:.2f}" for x in without),
+                f"{mean(without) / mean(with_):.2f}",
+            ]
+        )
+    head = ["model", "ours median ms, side streams (two runs)", "one stream (two runs)", "one stream / side streams"]
+    return table(head, rows) + "\n\n" + sources([name for pair in SIDE_STREAMS for name in pair])
+
+
 def design_ddp_split() -> str:
     d = load("ddp_split_h200x2_2026-11-23.json")
     rows = [
@@ -422,9 +474,11 @@ BLOCKS = {
     "learning-rate": learning_rate,
     "several-gpus": several_gpus,
     "step-alone": step_alone,
+    "step-spread": step_spread,
     "cold-start": cold_start,
     "design-phased": design_phased,
     "design-graph": design_graph,
+    "design-side-streams": design_side_streams,
     "design-ddp-split": design_ddp_split,
     "design-alignment": design_alignment,
 }
@@ -450,8 +504,8 @@ def readme_claims() -> list[str]:
     d4 = [r for r in e2e if r["model"] == "dpa4_water"]
     vs_adamw = [r["ours"][0] / r["adamw"][0] for r in (d3, *d4)]
     vs_builtin = [r["builtin"][0] / r["ours"][0] for r in (d3, *d4)]
-    steps = {(c, n): (o, b) for c, n, o, _a, b, _h in step_rows() if n.startswith("step_time_h100")}
-    ours3, builtin3 = steps[("dpa3_water", "step_time_h100_2026-11-22.json")]
+    dpa3 = step_medians(STEP, "dpa3_water")
+    ours3, builtin3 = dpa3["ours"], dpa3["builtin"]
     return [
         f"{min(vs_adamw):.2f}{DASH}{max(vs_adamw):.2f}{TIMES} AdamW's s/batch",
         f"{min(vs_builtin):.2f}{DASH}{max(vs_builtin):.2f}{TIMES} faster than deepmd-kit's built-in HybridMuon",

@@ -25,6 +25,7 @@ Usage::
     python benchmarks/step_time.py --configs se_e2_a_water --steps 3 --warmup 1
     python benchmarks/step_time.py --variants ours,builtin,adamw --json out.json
     python benchmarks/step_time.py --variants ours --ours-kw implementation=loop
+    python benchmarks/step_time.py --variants ours,adamw --no-side-streams   # every chain on one stream
 """
 
 from __future__ import annotations
@@ -349,6 +350,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="allow torch's on-disk compile caches (default: force_disable_caches, cold compiles)",
     )
+    ap.add_argument(
+        "--no-side-streams",
+        action="store_true",
+        help="ours: capture every chain of the step on the current stream (engine.batched.Lanes), "
+        "not on side streams (the design measurement of the side streams)",
+    )
     ap.add_argument("--json", type=Path, help="write all numbers to this file")
     ap.add_argument("--traceback", action="store_true", help="print the traceback of failed variants")
     args = ap.parse_args(argv)
@@ -371,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     ours_kw = parse_kw(args.ours_kw, "--ours-kw")
     if not args.compile_cache:
         torch.compiler.config.force_disable_caches = True
+    if args.no_side_streams:
+        from deepmd_hybridmuon.engine import batched, execution
+
+        execution.SideStreams = lambda device, count: batched.Lanes()
     env = environment(device)
     print(f"# Optimizer step time on {env['device_name']}")
     print()
