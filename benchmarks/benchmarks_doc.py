@@ -289,7 +289,7 @@ def step_rows() -> list[list[Any]]:
 
 
 def _ms(x: float) -> str:
-    return f"{x:.3g}" if x < 10 else f"{x:.1f}"
+    return f"{x:.3f}" if x < 1 else f"{x:.3g}" if x < 10 else f"{x:.1f}"
 
 
 def step_alone() -> str:
@@ -420,19 +420,23 @@ def design_graph() -> str:
 def design_side_streams() -> str:
     rows = []
     for config in load(STEP)["configs"]:
-        with_, without = zip(
-            *((step_medians(on, config)["ours"], step_medians(off, config)["ours"]) for on, off in SIDE_STREAMS),
-            strict=True,
-        )
+        runs = [(step_medians(on, config), step_medians(off, config)) for on, off in SIDE_STREAMS]
         rows.append(
             [
                 MODEL[config],
-                " / ".join(f"{x:.2f}" for x in with_),
-                " / ".join(f"{x:.2f}" for x in without),
-                f"{mean(without) / mean(with_):.2f}",
+                " / ".join(f"{on['ours']:.2f}" for on, _ in runs),
+                " / ".join(f"{off['ours']:.2f}" for _, off in runs),
+                " / ".join(f"{on['ours'] / on['adamw']:.2f}" for on, _ in runs),
+                " / ".join(f"{off['ours'] / off['adamw']:.2f}" for _, off in runs),
             ]
         )
-    head = ["model", "ours median ms, side streams (two runs)", "one stream (two runs)", "one stream / side streams"]
+    head = [
+        "model",
+        "ours median ms, side streams (two runs)",
+        "one stream (two runs)",
+        "ours / AdamW, side streams",
+        "ours / AdamW, one stream",
+    ]
     return table(head, rows) + "\n\n" + sources([name for pair in SIDE_STREAMS for name in pair])
 
 

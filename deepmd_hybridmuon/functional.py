@@ -20,7 +20,6 @@ from typing import Literal
 import torch
 
 Route = Literal["muon", "adam", "adamw"]
-MuonMode = Literal["2d", "flat", "slice"]
 
 #: The three ways a tensor of rank >= 2 can be seen as matrices (see :func:`matrix_view`).
 MUON_MODES: tuple[str, ...] = ("2d", "flat", "slice")

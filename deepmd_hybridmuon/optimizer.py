@@ -9,8 +9,11 @@ input (:mod:`deepmd_hybridmuon.validation`) and chooses, per group, how the step
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
+import re
+import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -20,7 +23,7 @@ from torch.optim.optimizer import Optimizer
 from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine, compilation
-from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS, constructor_doc
+from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS, option_doc
 from .state import check_state_dict
 from .validation import REMOVED_KEYS, check_gradients, check_option, check_parameters, check_removed, validate_group
 
@@ -234,14 +237,6 @@ class HybridMuonOptimizer(Optimizer):
     ----------
     params
         Parameters or param_group dicts.
-    named_parameters
-        ``(name, parameter)`` pairs for name-based routing (or call :meth:`set_param_names`).
-    use_foreach
-        Accepted (``True``, ``False`` or ``None``) and ignored: deepmd-kit's trainer passes it.
-        The step always batches its work (the flat engine).
-    removed
-        Options that were removed (``ddp_split``) raise a ``ValueError`` that says what to do
-        (:data:`deepmd_hybridmuon.validation.REMOVED_KEYS`); other unknown keywords a ``TypeError``.
     """
 
     def __init__(
@@ -633,5 +628,33 @@ class HybridMuonOptimizer(Optimizer):
         return rows
 
 
+#: The docstring's text of the constructor's parameters that are no options.
+_OTHER_PARAMETERS = {
+    "named_parameters": "``(name, parameter)`` pairs for name-based routing (or call :meth:`set_param_names`).",
+    "use_foreach": "Accepted (``True``, ``False`` or ``None``) and ignored: deepmd-kit's trainer passes it. "
+    "The step always batches its work (the flat engine).",
+    "removed": "Options that were removed (``ddp_split``) raise a ``ValueError`` that says what to do "
+    "(:data:`deepmd_hybridmuon.validation.REMOVED_KEYS`); other unknown keywords a ``TypeError``.",
+}
+
+
+def _parameters_doc(doc: str) -> str:
+    """``doc``, whose last section is Parameters with ``params`` alone, with the other parameters in order.
+
+    The options' entries are their rows' text (:func:`.options.option_doc`). The indentation is read from
+    the ``params`` entry: Python 3.13 strips a docstring's common indentation when it compiles it.
+    """
+    indent = re.search(r"^( *)params$", doc, re.M).group(1)
+    entries = []
+    for parameter in list(inspect.signature(HybridMuonOptimizer).parameters.values())[1:]:
+        name = parameter.name
+        text = option_doc(OPTION[name]) if name in OPTION else _OTHER_PARAMETERS[name]
+        if parameter.kind is parameter.KEYWORD_ONLY:
+            text += " Keyword-only."
+        body = textwrap.fill(text, 100, initial_indent=indent + "    ", subsequent_indent=indent + "    ")
+        entries.append(f"{indent}{'**' if parameter.kind is parameter.VAR_KEYWORD else ''}{name}\n{body}\n")
+    return doc.rstrip(" ") + "".join(entries)
+
+
 if HybridMuonOptimizer.__doc__:  # None under ``python -OO``
-    HybridMuonOptimizer.__doc__ = HybridMuonOptimizer.__doc__.rstrip(" ") + constructor_doc()
+    HybridMuonOptimizer.__doc__ = _parameters_doc(HybridMuonOptimizer.__doc__)

@@ -10,7 +10,6 @@ order (the order ``dp check`` prints).
 from __future__ import annotations
 
 import math
-import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,7 +181,8 @@ OPTIONS: tuple[Option, ...] = (
         (bool,),
         False,
         "All-reduce the finite flag of each step over the default process group, so that a non-finite "
-        "gradient on any rank skips the step on every rank (the plugin turns it on for zero_stage 1).",
+        "gradient on any rank skips the step on every rank (the plugin turns it on for zero_stage 1). "
+        "Every rank must then call step() the same number of times.",
         scope="optimizer",
         effect="build",
         input_key=False,
@@ -237,22 +237,9 @@ GROUP_KEYS: tuple[str, ...] = (
 )
 
 
-def constructor_doc(indent: str = "    ") -> str:
-    """The NumPy-docstring entries of the constructor's options (scope group or optimizer), from their rows.
-
-    Appended to :class:`.optimizer.HybridMuonOptimizer`'s docstring, so that it says what the schema says.
-    """
-    entries = []
-    for option in OPTIONS:
-        if option.scope not in ("group", "optimizer"):
-            continue
-        text = f"{option.doc} Default {option.default!r}"
-        if option.items:
-            text += f"; each item {option.items[0].allowed}."
-        else:
-            text += "." if option.choices or option.types == (bool,) else f"; {option.allowed}."
-        if not option.input_key and option.scope == "optimizer":
-            text += " Keyword-only; not a key of the input file."
-        body = textwrap.fill(text, 100, initial_indent=indent * 2, subsequent_indent=indent * 2)
-        entries.append(f"{indent}{option.name}\n{body}\n")
-    return "".join(entries)
+def option_doc(option: Option) -> str:
+    """What the constructor's docstring says of ``option``: its text, default and allowed values (the table's)."""
+    text = f"{option.doc} Default {option.default!r}"
+    if option.items:
+        return text + f"; each item {option.items[0].allowed}."
+    return text + ("." if option.choices or option.types == (bool,) else f"; {option.allowed}.")
