@@ -289,15 +289,12 @@ class _Phases:
         self.device = torch.device(mesh.device_type)
         self.pg = mesh.get_group(shard_dim)
         self.inputs = local.shard_inputs(states, group, plan)
-        self.with_muon = self.inputs.muon_grad is not None
+        #: Whether the group has Muon matrices with gradients (phases 3-5 have work); fixed here, as
+        #: before_orthogonalize releases the gradient copy it is read from.
+        self.has_muon = self.inputs.muon_grad is not None
         self.muon: local.LocalMuon | None = None
         self.sums: torch.Tensor | None = None
         self.delta: torch.Tensor | None = None
-
-    @property
-    def has_muon(self) -> bool:
-        """Whether the group has Muon matrices with gradients (phases 3-5 have work)."""
-        return self.with_muon
 
     def gate(self) -> torch.Tensor:
         """The gate of this rank, made the same on every rank: one all-reduce (min) per mesh dimension."""
