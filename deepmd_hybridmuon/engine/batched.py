@@ -16,9 +16,9 @@ The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`)
 
 :meth:`BatchedStep.compute` reads only static tensors (the layout's buffers and a
 :class:`StepInputs`), so it can be captured in a CUDA graph; the host part of a step is
-:meth:`BatchedStep.scalars`. Independent chains (each torch bucket, each phased group)
-run inside ``lanes.lane(i)``: eagerly on the current stream; captured, on side streams
-(:mod:`.execution`).
+:meth:`BatchedStep.scalars`. Independent chains (each torch bucket, each phased group, the
+Adam routes) run inside ``lanes.lane(i)``: eagerly on the current stream; captured, on side
+streams (:mod:`.execution`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Lanes:
     """Where the independent chains of a step run: here, all in order on the current stream."""
 
     def lane(self, i: int) -> contextlib.AbstractContextManager:
-        """Context in which chain ``i`` (torch bucket ``i``, then phased group ``i - len(buckets)``) runs."""
+        """Context in which chain ``i`` runs (:attr:`.layout.Layout.lanes` gives the order)."""
         return contextlib.nullcontext()
 
     def join(self) -> None:
@@ -142,7 +142,11 @@ class BatchedStep:
     def adam(self, ok: torch.Tensor) -> None:
         """Adam and AdamW into the update buffer; the decay waits for :meth:`apply`."""
         L = self.layout
-        if L.adam:  # each parameter's pair of scalars, spread over its elements
+        if not L.adam:
+            return
+        # Captured, on a side stream beside the Muon phases (they share no storage); every tensor
+        # it makes is made on that stream, so the allocator reuses none of them elsewhere before the join.
+        with self.lanes.lane(L.adam_lane):  # each parameter's pair of scalars, spread over its elements
             adam = self.inputs.scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per param
             neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # one gather kernel
             self._adam(neg_step * ok, bc2, ok, adam[:2])
@@ -167,8 +171,9 @@ class BatchedStep:
         self.pending = None
 
     def apply(self, ok: torch.Tensor) -> None:
-        """``p <- p * decay + delta``, the decays gated."""
+        """``p <- p * decay + delta``, the decays gated, once every lane has written its updates."""
         L = self.layout
+        self.lanes.join()
         self._apply(F.gate_factor(self.muon_decay, ok, L.dtype), F.gate_factor(self.adamw_decay, ok, L.dtype))
 
     def _apply(self, muon_decay: torch.Tensor, adamw_decay: torch.Tensor) -> None:
@@ -283,4 +288,3 @@ class BatchedStep:
                 run_phased(K, g, update, L.muon_delta, factor, last=True)
         for f in L.fused_paths:
             run_fused(K, f, update, L.muon_delta, factor)
-        lanes.join()

@@ -268,7 +268,15 @@ class Layout:
 
     @property
     def lanes(self) -> int:
-        """Independent chains of a step that may run on streams of their own: torch buckets and phased groups."""
+        """Independent chains of a step that may run on streams of their own.
+
+        In order: each torch bucket, each phased group, then the Adam routes (if the group has any).
+        """
+        return self.adam_lane + (1 if self.adam else 0)
+
+    @property
+    def adam_lane(self) -> int:
+        """The lane of the Adam routes: after every torch bucket's and phased group's."""
         return len(self.buckets) + len(self.phased_paths)
 
     # ------------------------------------------------------------------ state

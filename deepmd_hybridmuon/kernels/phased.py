@@ -439,10 +439,10 @@ def orthogonalize_phased(
         for ph in range(first, stop):
             phased_launch(src.dtype, use_gram, shape, ph, ph + 1)((programs,), *args)
         return
-    sync = stop - first > 1
-    if sync:
+    launch = phased_launch(src.dtype, use_gram, shape, first, stop)
+    if launch.kwargs["SYNC"]:  # the grid barriers count on it from zero
         counter.zero_()
-    phased_launch(src.dtype, use_gram, shape, first, stop)((programs,), *args)
+    launch((programs,), *args)
 
 
 def phased_launches(dtype: torch.dtype, use_gram: bool, shape: tuple[int, int]) -> tuple[Launch, Launch]:
