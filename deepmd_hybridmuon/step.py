@@ -15,8 +15,8 @@ The phases, in order:
    :func:`~.functional.finite_gate`), agreed across ranks where the implementation needs it. A
    step with gate 0.0 still runs every phase, with every change multiplied by the gate, so that
    no phase waits for the device to read it.
-2. ``adam``: the Adam and AdamW routes. They share no storage with phases 3-5, so an
-   implementation may run them beside those (the engine does, captured, on a side stream).
+2. ``adam``: the Adam and AdamW routes. They read and write no element that phases 3-5 touch,
+   so an implementation may run them beside those (the engine does, captured, on a side stream).
 3. ``before_orthogonalize``: Muon's decoupled weight decay, momentum and Nesterov update, and
    Magma's partial sums.
 4. ``complete_sums``: Magma's sums over whole matrices; nothing to do in one process, one

@@ -144,7 +144,7 @@ class BatchedStep:
         L = self.layout
         if not L.adam:
             return
-        # Captured, on a side stream beside the Muon phases (they share no storage); every tensor
+        # Captured, on a side stream beside the Muon phases (no element in common); every tensor
         # it makes is made on that stream, so the allocator reuses none of them elsewhere before the join.
         with self.lanes.lane(L.adam_lane):  # each parameter's pair of scalars, spread over its elements
             adam = self.inputs.scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per param
