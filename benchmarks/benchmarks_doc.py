@@ -16,6 +16,7 @@ contain (tests/test_docs.py checks both).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -39,7 +40,9 @@ MODEL = {
 }
 
 
+@functools.cache
 def load(name: str) -> dict[str, Any]:
+    """A results file, read once (the tables read some files for every model): not to be changed."""
     return json.loads((RESULTS / name).read_text())
 
 
