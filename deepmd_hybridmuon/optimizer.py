@@ -24,7 +24,7 @@ from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine, compilation
 from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS, option_doc
-from .state import check_state_dict
+from .state import check_sizes, check_state_dict, with_defaults
 from .validation import REMOVED_KEYS, check_gradients, check_option, check_parameters, check_removed, validate_group
 
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
@@ -281,6 +281,7 @@ class HybridMuonOptimizer(Optimizer):
         self._adam_limit_logged = False  # _log_adam_limit's one line was written
         # One runner per param_group (its engine, or its FSDP2 plan), each rebuilt by its own rule.
         self._runners: dict[int, GroupEngine | distributed.FsdpGroup] = {}
+        self._checked: dict[int, tuple] = {}  # each group's values as step() last validated them
         self._steps_taken = 0  # by this object (the log says from which step the Triton kernels run)
         self._skips = SkipCount()
         super().__init__(params, defaults)
@@ -415,6 +416,7 @@ class HybridMuonOptimizer(Optimizer):
         for key, default in _PICKLED.items():
             setattr(self, key, settings.get(key, getattr(self, key, default)))
         self._runners = {}  # rebuilt at the next step
+        self._checked = {}
         if not hasattr(self, "_skips"):  # a copy counts its own skipped steps
             self._skips = SkipCount()
         if names is not None:
@@ -450,10 +452,11 @@ class HybridMuonOptimizer(Optimizer):
 
         Everything is checked first (:func:`deepmd_hybridmuon.state.check_state_dict`): a state
         dict of another optimizer, group values the constructor would refuse, or state of the
-        wrong keys, shape or dtype raise a ``ValueError`` and leave this optimizer as it was.
+        wrong keys, shape or dtype raise a ``ValueError`` and leave this optimizer as it was. An
+        option the writer did not have (an older version, deepmd's built-in) takes its default.
         """
         check_state_dict(state_dict, self.param_groups, self._describe)
-        super().load_state_dict(state_dict)
+        super().load_state_dict(with_defaults(state_dict))
         self._state_version += 1
         for state in self.state.values():
             for key in _FLOAT32_STATE:
@@ -471,26 +474,53 @@ class HybridMuonOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with _outside_device_context():
-            check_gradients(self.param_groups)  # before any parameter changes
+            self._check_values()  # before any parameter changes
+            check_gradients(self.param_groups)
             if not self._adam_limit_logged:
                 self._log_adam_limit()
             self._step_all()
         self._steps_taken += 1
         return loss
 
+    def _check_values(self) -> None:
+        """Validate each group's values as the constructor does, when they changed since the last step.
+
+        A scheduler or a user may write any value into a param_group between steps. A value is
+        compared by identity where it is a tensor (reading a GPU tensor would make the host wait).
+        """
+        for index, group in enumerate(self.param_groups):
+            values = tuple(id(v) if isinstance(v, torch.Tensor) else v for v in map(group.get, GROUP_KEYS))
+            if self._checked.get(index) == values:
+                continue
+            try:
+                validate_group(group)
+            except ValueError as err:
+                raise ValueError(f"{err} (in param_groups[{index}] at step(); nothing was changed)") from None
+            self._checked[index] = values
+
     def _step_all(self) -> None:
         shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
+        # Every group's runner first (building one checks its parameters' sizes): a bad group stops the
+        # step before any other group has taken it.
+        runners = [self._runner(index, group) for index, group in enumerate(self.param_groups)]
         gates = []
-        for index, group in enumerate(self.param_groups):
-            if any(distributed.is_dtensor(p) for p in group["params"]):
-                gates.append(self._fsdp_group(index).step(self._context(), group, shared))  # FSDP2: the owner computes
-                continue
-            engine = self._engine(index, group)
-            if engine is None:
+        for group, runner in zip(self.param_groups, runners, strict=True):
+            if isinstance(runner, distributed.FsdpGroup):
+                gates.append(runner.step(self._context(), group, shared))  # FSDP2: the owner computes
+            elif runner is None:
                 gates.append(loop.step_group(self.state, group, self.route_of, shared))
             else:
-                gates.append(engine.step(group, shared))
+                gates.append(runner.step(group, shared))
         self._skips.count([gate for gate in gates if gate is not None])
+
+    def _runner(self, index: int, group: dict[str, Any]) -> GroupEngine | distributed.FsdpGroup | None:
+        """What steps group ``index``: its FSDP2 runner, its flat engine, or ``None`` for the loop."""
+        if any(distributed.is_dtensor(p) for p in group["params"]):
+            return self._fsdp_group(index)
+        engine = self._engine(index, group)
+        if engine is None:
+            check_sizes(self.state, group["params"], self._describe)
+        return engine
 
     def _fsdp_group(self, index: int) -> distributed.FsdpGroup:
         """The FSDP2 runner of param_group ``index``, made at its first step (it rebuilds its plan when needed)."""
@@ -587,6 +617,7 @@ class HybridMuonOptimizer(Optimizer):
             return engine
         if not GroupEngine.supports(group):
             return None
+        check_sizes(self.state, group["params"], self._describe)
         kernels_ready = engine is not None and engine.outdated
         engine = self._runners[index] = GroupEngine(
             group,

@@ -4,13 +4,14 @@ Checks of a state dict before :meth:`HybridMuonOptimizer.load_state_dict` change
 
 A state dict is accepted when it has deepmd-kit 3.2.0's built-in HybridMuon layout (which this
 package writes too): the same number of param_groups and parameters, every group carrying
-exactly the HybridMuon hyperparameters with values the constructor would accept
-(:func:`~deepmd_hybridmuon.validation.validate_group`), and per parameter only the state keys
-of its rule, each of the parameter's shape, real and finite. Anything else (a
-``torch.optim.AdamW`` or ``torch.optim.Muon`` state dict, AdamW state under HybridMuon groups,
-edited or corrupted values) raises a ``ValueError`` naming the group or parameter and the key,
-so that the optimizer and every implementation of its step (loop, flat engine, FSDP2, DDP)
-only ever see state they can step with.
+HybridMuon's hyperparameters with values the constructor would accept
+(:func:`~deepmd_hybridmuon.validation.validate_group`; an option the writer did not have takes its
+default, :func:`with_defaults`; keys of torch's schedulers are kept), and per parameter only the state
+keys of its rule, each of the parameter's shape, real, and in the range a real run can reach
+(:data:`STATE_RANGES`). Anything else (a ``torch.optim.AdamW`` or ``torch.optim.Muon`` state dict,
+AdamW state under HybridMuon groups, edited or corrupted values) raises a ``ValueError`` naming the
+group or parameter and the key, so that the optimizer and every implementation of its step (loop,
+flat engine, FSDP2) only ever see state they can step with.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 from . import functional as F
 from .dtensor import is_dtensor, local_shard
-from .options import OPTIMIZER_KEYS
-from .validation import GROUP_KEYS, validate_group
+from .options import OPTIMIZER_KEYS, OPTION
+from .validation import GROUP_KEYS, MISNAMED_KEYS, validate_group
 
 #: State of an Adam-routed parameter: all four keys, or none.
 ADAM_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "beta1_pow", "beta2_pow")
@@ -31,6 +32,19 @@ ADAM_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "beta1_pow", "beta2_pow"
 MUON_STATE: tuple[str, ...] = ("momentum_buffer", "magma_score")
 #: Parameter-shaped tensors among them.
 _PARAM_SHAPED: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+#: The param_group keys of every HybridMuon state dict, deepmd-kit's built-in's and this package's, of
+#: every version: groups without one were written by another optimizer. Any other option a group lacks
+#: takes its default (:func:`with_defaults`): the writer had no such option.
+SIGNATURE_KEYS: tuple[str, ...] = ("lr", "momentum", "adam_betas")
+#: What a real run can write into each state tensor: ``[low, high]``. Adam's gradients stay below
+#: ``ADAM_GRAD_LIMIT`` (larger ones skip the step), so do its first moment and the square root of its
+#: second; every Muon gradient stays below ``GRAD_LIMIT``, and so does the momentum, a blend of them.
+STATE_RANGES: dict[str, tuple[float, float]] = {
+    "exp_avg": (-F.ADAM_GRAD_LIMIT, F.ADAM_GRAD_LIMIT),
+    "exp_avg_sq": (0.0, F.ADAM_GRAD_LIMIT**2),
+    "momentum_buffer": (-F.GRAD_LIMIT, F.GRAD_LIMIT),
+    "magma_score": (0.0, 1.0),
+}
 
 
 def check_state_dict(
@@ -55,7 +69,7 @@ def check_state_dict(
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
         raise ValueError(f"Invalid optimizer state dict: {keys}; expected a mapping with 'state' and 'param_groups'")
-    saved_groups = state_dict["param_groups"]
+    saved_groups = with_defaults(state_dict)["param_groups"]
     if not isinstance(saved_groups, Sequence) or len(saved_groups) != len(groups):
         count = len(saved_groups) if isinstance(saved_groups, Sequence) else repr(saved_groups)
         raise ValueError(f"Invalid param_groups in the state dict: {count} groups; this optimizer has {len(groups)}")
@@ -87,14 +101,32 @@ def written_by_hybridmuon(state_dict: Any) -> bool | None:
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     if not isinstance(groups, Sequence) or not groups or not all(isinstance(g, Mapping) for g in groups):
         return None
-    return all(set(GROUP_KEYS) <= set(g) for g in groups)
+    return all(set(SIGNATURE_KEYS) <= set(g) for g in groups)
+
+
+def with_defaults(state_dict: Any) -> Any:
+    """``state_dict`` as this version reads it (a copy where it differs): what it lacks at the defaults.
+
+    Each option its HybridMuon param_groups lack takes its default, and the deprecated keys an older
+    writer kept (:data:`~.validation.MISNAMED_KEYS`) are dropped: a checkpoint written before an option
+    existed, or by deepmd's built-in, resumes instead of being taken for another optimizer's.
+    Anything else is returned as it is.
+    """
+    if not written_by_hybridmuon(state_dict):
+        return state_dict
+    groups = state_dict["param_groups"]
+    if all(set(GROUP_KEYS) <= set(g) and not set(MISNAMED_KEYS) & set(g) for g in groups):
+        return state_dict
+    defaults = {key: OPTION[key].default for key in GROUP_KEYS}
+    groups = [{**defaults, **{k: v for k, v in g.items() if k not in MISNAMED_KEYS}} for g in groups]
+    return {**state_dict, "param_groups": groups}
 
 
 def _check_group(index: int, saved: Any, count: int) -> None:
     where = f"param_groups[{index}]"
     if not isinstance(saved, Mapping):
         raise ValueError(f"Invalid {where}: {type(saved).__name__}; expected a mapping")
-    missing = [k for k in GROUP_KEYS if k not in saved]
+    missing = [k for k in SIGNATURE_KEYS if k not in saved]
     if missing:
         raise ValueError(
             f"Invalid {where}: lacks the HybridMuon keys {missing}; not a HybridMuon state dict "
@@ -143,19 +175,54 @@ def _check_entry(where: str, entry: Any, p: torch.Tensor) -> None:
             raise ValueError(
                 f"Invalid state {key} of {where}: shape {tuple(value.shape)}; expected the parameter's {tuple(p.shape)}"
             )
-        if key == "magma_score" and value.dim() != 1:
-            raise ValueError(
-                f"Invalid state {key} of {where}: shape {tuple(value.shape)}; expected one score per matrix (1-D)"
-            )
+        if key == "magma_score":
+            counts = _matrix_counts(p)
+            if value.dim() != 1 or value.numel() not in counts:
+                raise ValueError(
+                    f"Invalid state {key} of {where}: shape {tuple(value.shape)}; expected one score per matrix "
+                    f"of the parameter's view, shape ({' or '.join(map(str, sorted(counts))) or 'none'},)"
+                )
         # A sharded (DTensor) value is checked by its shape only: reading its elements would take collectives.
-        if not is_dtensor(value) and not bool(torch.isfinite(value).all()):
-            raise ValueError(f"Invalid state {key} of {where}: holds NaN or infinity; expected finite values")
-        if key == "magma_score" and not is_dtensor(value) and value.numel() and not _in_unit(value):
-            raise ValueError(f"Invalid state {key} of {where}: values outside [0, 1]; expected scores in [0, 1]")
+        if not is_dtensor(value) and value.numel():
+            _check_range(f"state {key} of {where}", value, *STATE_RANGES[key])
 
 
-def _in_unit(value: torch.Tensor) -> bool:
-    return bool(((value >= 0) & (value <= 1)).all())
+def _matrix_counts(p: torch.Tensor) -> set[int]:
+    """How many matrices Muon can see in ``p``: one per matrix of its view in any ``muon_mode`` that has one."""
+    shape = F.effective_shape(p.shape)
+    return {view[0] for mode in F.MUON_MODES if (view := F.matrix_view(shape, mode)) is not None}
+
+
+def _check_range(what: str, value: torch.Tensor, low: float, high: float) -> None:
+    """Raise ``ValueError`` unless every element of ``value`` is finite and in [low, high]."""
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"Invalid {what}: holds NaN or infinity; expected finite values")
+    least, most = float(value.amin()), float(value.amax())
+    if least < low or most > high:
+        raise ValueError(
+            f"Invalid {what}: values in [{least:.3g}, {most:.3g}]; expected values in [{low:.3g}, {high:.3g}], "
+            "the range a run can reach"
+        )
+
+
+def check_sizes(state: dict, params: Sequence[torch.Tensor], describe: Callable[[torch.Tensor], str]) -> None:
+    """Raise ``ValueError`` if a parameter now has another number of elements than its state (``p.data`` replaced).
+
+    A view of another shape keeps its state, element by element (:func:`follow_shape`); a tensor of
+    another size has no element-wise correspondence with it.
+    """
+    for p in params:
+        entry = state.get(p)
+        if not entry or is_dtensor(p):
+            continue
+        for key in _PARAM_SHAPED:
+            value = entry.get(key)
+            if isinstance(value, torch.Tensor) and value.numel() != p.numel():
+                raise ValueError(
+                    f"Invalid parameter {describe(p)}: {p.numel()} elements, but its state {key} has {value.numel()} "
+                    "(the tensor was replaced by one of another size after steps); expected the same number of "
+                    "elements. To start it afresh: del optimizer.state[parameter]"
+                )
 
 
 # ------------------------------------------------------------------------------------------

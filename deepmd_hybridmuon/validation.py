@@ -6,6 +6,9 @@ Each error names the key, the value and what is allowed. Used by the optimizer (
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -14,8 +17,12 @@ import torch
 
 from .options import GROUP_KEYS, OPTION, OPTIONS, Option
 
-#: Keys other code may add to a param_group: torch's schedulers and named groups.
-_FOREIGN_GROUP_KEYS: frozenset[str] = frozenset({"params", "initial_lr", "param_names", "name"})
+#: Keys of a param_group that spell a HybridMuon option otherwise (its input-file alias, its deprecated
+#: form), with the option that stands for them.
+MISNAMED_KEYS: dict[str, str] = {
+    **{alias: option.name for option in OPTIONS for alias in option.alias},
+    **{option.name: "muon_mode" for option in OPTIONS if option.scope == "legacy"},
+}
 #: Options that were removed, and what to do instead. The constructor, ``add_param_group`` and
 #: the schema (``dp check``, ``dp train``) refuse each by name with this text.
 REMOVED_KEYS: dict[str, str] = {option.name: option.doc for option in OPTIONS if option.scope == "removed"}
@@ -72,29 +79,73 @@ def check_option(option: Option, value: Any, key: str | None = None) -> None:
 def validate_group(group: dict[str, Any]) -> None:
     """Check every hyperparameter of one param_group; raise ``ValueError`` naming the bad one.
 
-    Choices are stored lower-case.
+    A key the optimizer does not read is refused when it looks like a hyperparameter (:func:`misread_keys`)
+    and kept otherwise, as torch's optimizers keep the keys their schedulers add (``initial_lr``,
+    ``max_lr``, ``swa_lr``, ...). Choices are stored lower-case.
     """
     check_removed(group)
-    unknown = sorted(set(group) - set(GROUP_KEYS) - _FOREIGN_GROUP_KEYS)
+    unknown = misread_keys(group)
     if unknown:
         raise ValueError(f"Unknown param_group keys: {unknown}; expected a subset of {list(GROUP_KEYS)}")
     for key in GROUP_KEYS:
+        if key not in group:
+            raise ValueError(f"Invalid param_group: no {key}; expected every key of {list(GROUP_KEYS)}")
         check_option(OPTION[key], group[key])
         if OPTION[key].choices:
             group[key] = group[key].lower()
 
 
+def misread_keys(group: dict[str, Any]) -> list[str]:
+    """The keys of ``group`` a user may mean as a hyperparameter that HybridMuon would not read, sorted.
+
+    Those are another spelling of an option (:data:`MISNAMED_KEYS`, a different case, or a close
+    misspelling) and the hyperparameters of torch's other optimizers (``betas``, ``nesterov``, ...).
+    """
+    known = set(GROUP_KEYS)
+    lower = {key.lower() for key in known}
+    return sorted(
+        key
+        for key in group
+        if key not in known
+        and key != "params"
+        and (
+            key in MISNAMED_KEYS
+            or key.lower() in lower
+            or key in _torch_hyperparameters()
+            or difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        )
+    )
+
+
+@functools.cache
+def _torch_hyperparameters() -> frozenset[str]:
+    """The constructor keywords of torch's optimizers (``torch.optim``) that HybridMuon has not."""
+    names = set()
+    for value in vars(torch.optim).values():
+        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+            names.update(inspect.signature(value).parameters)
+    return frozenset(names - set(GROUP_KEYS) - {"params", "self", "defaults"})
+
+
 def check_parameters(params: Sequence[torch.Tensor], group_index: int) -> None:
-    """Raise ``ValueError`` unless every parameter of param_group ``group_index`` is real floating point.
+    """Raise ``ValueError`` unless the parameters of param_group ``group_index`` are real floating point, each once.
 
     Complex parameters would lose their imaginary part in the Adam moments (float32) and Newton–Schulz
-    (real matrices); integer ones cannot take a gradient step.
+    (real matrices); integer ones cannot take a gradient step. A parameter listed twice would take
+    two steps with one state.
     """
+    first: dict[int, int] = {}
     for i, p in enumerate(params):
         if not p.is_floating_point():
             raise ValueError(
                 f"Invalid parameter {i} of param_group {group_index}: dtype {p.dtype}; "
                 "expected a real floating-point parameter (float16, bfloat16, float32 or float64)"
+            )
+        j = first.setdefault(id(p), i)
+        if j != i:
+            raise ValueError(
+                f"Invalid parameter {i} of param_group {group_index}: the same tensor as parameter {j}; "
+                "expected each parameter once"
             )
 
 

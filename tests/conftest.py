@@ -253,7 +253,8 @@ def kernels() -> Iterator[tuple[Any, torch.device]]:
     Without a GPU the kernels run under Triton's CPU interpreter, which must be switched on
     (``TRITON_INTERPRET=1``) before Triton is first imported: modules using this fixture
     re-run themselves in a subprocess with it set (see :func:`run_interpreted`). Two
-    shortcomings of Triton 3.6's interpreter are worked around, in the tests only:
+    shortcomings of Triton 3.6's interpreter are worked around, in the tests only (the package
+    itself keeps the torch path on the CPU, whatever ``TRITON_INTERPRET`` says):
 
     * it converts a loaded scalar used as a loop bound with ``int()`` of a one-element
       array, which NumPy >= 2.4 rejects: the conversion is patched to take the element;
@@ -287,6 +288,7 @@ def interpreter_workarounds() -> pytest.MonkeyPatch:
     import triton.runtime.interpreter as interpreter
 
     from deepmd_hybridmuon import kernels as K
+    from deepmd_hybridmuon.engine import compilation
 
     original = interpreter._patch_lang_tensor
 
@@ -297,6 +299,7 @@ def interpreter_workarounds() -> pytest.MonkeyPatch:
     mp = pytest.MonkeyPatch()
     mp.setattr(interpreter, "_patch_lang_tensor", patch)
     mp.setattr(K.common, "STANDARD_WORK_DTYPE", torch.float16)
+    mp.setattr(compilation, "INTERPRETER_ON_CPU", True)  # the package's kernels on the CPU, with these workarounds
     return mp
 
 

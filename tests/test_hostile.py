@@ -330,3 +330,218 @@ def test_copy_of_the_optimizer_steps_identically(implementation, fresh, clone):
         opt.step()
         twin.step()
     assert all(torch.equal(p, q) for (_, p), q in zip(named, twin_params, strict=True))
+
+
+# ---------------------------------------------------------------------- round two: schedulers, values, state
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(11)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _loss(net: torch.nn.Module, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + step)
+    return net(torch.randn(5, 6, generator=gen)).pow(2).mean()
+
+
+SWA = torch.optim.swa_utils
+LR = torch.optim.lr_scheduler
+SCHEDULERS: dict[str, Callable] = {
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9**s),
+    "MultiplicativeLR": lambda o: torch.optim.lr_scheduler.MultiplicativeLR(o, lambda s: 0.95),
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    "MultiStepLR": lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[2, 4], gamma=0.5),
+    "ConstantLR": lambda o: torch.optim.lr_scheduler.ConstantLR(o, factor=0.5, total_iters=4),
+    "LinearLR": lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.2, total_iters=5),
+    "ExponentialLR": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8),
+    "PolynomialLR": lambda o: torch.optim.lr_scheduler.PolynomialLR(o, total_iters=8, power=2.0),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6),
+    "CosineAnnealingWarmRestarts": lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=3),
+    "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=1e-3, max_lr=1e-2, step_size_up=2),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=20),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o,
+        [LR.ConstantLR(o, factor=0.5, total_iters=2), LR.ExponentialLR(o, 0.9)],
+        milestones=[2],
+    ),
+    "ChainedScheduler": lambda o: torch.optim.lr_scheduler.ChainedScheduler(
+        [LR.ConstantLR(o, factor=0.5, total_iters=2), LR.ExponentialLR(o, 0.9)]
+    ),
+    "SWALR": lambda o: SWA.SWALR(o, swa_lr=5e-3, anneal_epochs=3),
+}
+
+
+def test_the_scheduler_table_is_torchs_whole_list():
+    schedulers = {
+        name
+        for name, value in vars(torch.optim.lr_scheduler).items()
+        if isinstance(value, type) and name.endswith(("LR", "Scheduler", "Plateau", "Restarts"))
+    }
+    schedulers -= {"LRScheduler", "_LRScheduler"}  # the base classes
+    assert schedulers | {"SWALR"} == set(SCHEDULERS)
+
+
+def _run(net, opt, sched, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        loss = _loss(net, step)
+        loss.backward()
+        opt.step()
+        sched.step(loss.item()) if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) else sched.step()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_state_saved_with_any_scheduler_resumes_as_an_uninterrupted_run(implementation, name):
+    """Schedulers add keys to the param_groups (OneCycleLR max_lr, SWALR swa_lr, ...): the state loads with them."""
+    net = _net()
+    opt = make_optimizer(net.parameters(), implementation, lr=1e-2, named_parameters=net.named_parameters())
+    sched = SCHEDULERS[name](opt)
+    _run(net, opt, sched, range(3))
+    saved = {"model": copy.deepcopy(net.state_dict()), "opt": opt.state_dict(), "sched": sched.state_dict()}
+    _run(net, opt, sched, range(3, 6))
+
+    resumed = _net()
+    resumed.load_state_dict(saved["model"])
+    fresh = make_optimizer(resumed.parameters(), implementation, lr=1e-2, named_parameters=resumed.named_parameters())
+    fresh_sched = SCHEDULERS[name](fresh)
+    fresh.load_state_dict(saved["opt"])
+    fresh_sched.load_state_dict(saved["sched"])
+    _run(resumed, fresh, fresh_sched, range(3, 6))
+    for p, q in zip(net.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)  # the same arithmetic on the same values: bit for bit
+
+
+def test_a_group_with_scheduler_keys_can_be_added():
+    opt = HybridMuonOptimizer([torch.nn.Parameter(torch.randn(4, 4))])
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 5))], "initial_lr": 0.1, "max_lr": 1.0})
+    assert opt.param_groups[1]["max_lr"] == 1.0
+
+
+BAD_GROUP_VALUES: list[tuple[str, object, str]] = [
+    ("lr", float("nan"), "Invalid lr: nan; expected a finite number"),
+    ("lr", float("inf"), "Invalid lr: inf; expected a finite number"),
+    ("momentum", float("nan"), "Invalid momentum: nan; expected a finite number"),
+    ("momentum", 1.5, "Invalid momentum: 1.5; expected a value in [0, 1)"),
+    ("weight_decay", -100.0, "Invalid weight_decay: -100.0; expected a value in [0, inf)"),
+    ("adam_betas", (0.9, float("nan")), "Invalid adam_betas[1]: nan; expected a finite number"),
+    ("muon_mode", "3d", "Invalid muon_mode: '3d'; expected one of '2d', 'flat', 'slice'"),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    ("key", "value", "message"), BAD_GROUP_VALUES, ids=[f"{k}={v}" for k, v, _ in BAD_GROUP_VALUES]
+)
+def test_a_bad_value_written_into_a_group_stops_the_step_before_anything_changes(implementation, key, value, message):
+    named = _named()
+    opt = make_optimizer([p for _, p in named], implementation, lr=1e-2, named_parameters=named)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 5))]})
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    state = {id(p): {k: torch.as_tensor(v).clone() for k, v in entry.items()} for p, entry in opt.state.items()}
+    good = opt.param_groups[1][key]
+    opt.param_groups[1][key] = value  # as a scheduler or a user's schedule may for one step
+    with pytest.raises(ValueError, match=re.escape(message + " (in param_groups[1] at step(); nothing was changed)")):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before, strict=True))  # group 0 did not step either
+    for p, entry in opt.state.items():
+        assert all(torch.equal(torch.as_tensor(v), state[id(p)][k]) for k, v in entry.items())
+    opt.param_groups[1][key] = good  # the value recovers: the run goes on, finite
+    opt.step()
+    assert all(torch.isfinite(p).all() and not torch.equal(p, q) for p, q in zip(params, before, strict=True))
+
+
+IMPOSSIBLE_STATE = [
+    ("negative-second-moment", ("state", 1, "exp_avg_sq"), -torch.ones(4), "state exp_avg_sq of parameter 1"),
+    ("huge-first-moment", ("state", 1, "exp_avg"), torch.full((4,), 3e38), "state exp_avg of parameter 1"),
+    ("huge-momentum", ("state", 0, "momentum_buffer"), torch.full((8, 4), 3e38), "momentum_buffer of parameter 0"),
+    ("magma-length-5", ("state", 0, "magma_score"), torch.full((5,), 0.5), "shape (5,); expected one score per matrix"),
+    ("magma-length-0", ("state", 0, "magma_score"), torch.zeros(0), "shape (0,); expected one score per matrix"),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("case", "path", "value", "message"), IMPOSSIBLE_STATE, ids=[c[0] for c in IMPOSSIBLE_STATE])
+def test_state_no_run_can_write_is_refused(implementation, case, path, value, message):
+    named = _named()
+    opt = _stepped(named)
+    use_implementation(opt, implementation)
+    bad = _edit(path, value)(opt.state_dict())
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    for k, entry in before["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][kk])) for kk, v in entry.items())
+
+
+def test_a_state_dict_without_a_later_option_takes_its_default_and_keeps_its_state():
+    """A checkpoint written before an option existed (or by the built-in) resumes with the option's default."""
+    named = _named()
+    saved = _stepped(named).state_dict()
+    for group in saved["param_groups"]:
+        del group["magma_muon"], group["enable_gram"]
+    opt = HybridMuonOptimizer([p for _, p in _named()], lr=1e-2, magma_muon=False, named_parameters=_named())
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["magma_muon"] is True and opt.param_groups[0]["enable_gram"] is True  # the defaults
+    momentum = next(entry["momentum_buffer"] for entry in opt.state.values() if "momentum_buffer" in entry)
+    assert torch.equal(momentum, saved["state"][0]["momentum_buffer"])
+
+
+def test_triton_interpret_in_the_environment_trains_on_the_cpu():
+    """A user who sets TRITON_INTERPRET=1 to debug other kernels still trains: the package keeps the torch path."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from deepmd_hybridmuon import HybridMuonOptimizer\n"
+        "w = torch.nn.Parameter(torch.randn(8, 4))\n"
+        "opt = HybridMuonOptimizer([w], lr=1e-2)\n"
+        "for _ in range(2):\n"
+        "    w.grad = torch.randn(8, 4)\n"
+        "    opt.step()\n"
+        "assert torch.isfinite(w).all()\n"
+        "print(opt.execution_table()[0]['kernels'])\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["torch"]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_the_same_tensor_twice_in_a_group_is_refused(implementation):
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    message = "Invalid parameter 1 of param_group 0: the same tensor as parameter 0; expected each parameter once"
+    with pytest.warns(UserWarning, match="duplicate parameters"), pytest.raises(ValueError, match=re.escape(message)):
+        make_optimizer([w, w], implementation)
+    opt = make_optimizer([torch.nn.Parameter(torch.randn(2, 2))], implementation)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=re.escape(message.replace("group 0", "group 1"))):
+        opt.add_param_group({"params": [w, w]})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_parameter_replaced_by_another_size_is_named_before_anything_changes(implementation):
+    named = _named()
+    opt = _stepped(named)
+    use_implementation(opt, implementation)
+    (_, w), (_, b) = named
+    w.data = torch.randn(5, 4)  # another size: its state has no element-wise meaning any more
+    before = [w.detach().clone(), b.detach().clone()]
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    message = "Invalid parameter 'fit.w': 20 elements, but its state momentum_buffer has 32"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.step()
+    assert torch.equal(w, before[0]) and torch.equal(b, before[1])
+    del opt.state[w]  # what the message says to do
+    opt.step()
+    assert opt.state[w]["momentum_buffer"].shape == (5, 4)

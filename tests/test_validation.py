@@ -108,7 +108,8 @@ def test_bad_param_group_value(kwargs: dict, message: str) -> None:
         ({"betas": (0.9, 0.99)}, "['betas']"),  # torch.optim.Adam's name for adam_betas
         ({"nesterov": True}, "['nesterov']"),
         ({"Lr": 1e-3}, "['Lr']"),
-        ({"zeta": 1, "alpha": 2}, "['alpha', 'zeta']"),  # all of them, sorted
+        ({"betas": 1, "alpha": 2, "zeta": 3}, "['alpha', 'betas']"),  # all of them, sorted; zeta is no hyperparameter
+        ({"momentun": 0.9, "muon_momentum": 0.9}, "['momentun', 'muon_momentum']"),  # misspelt; the input's alias
         ({"differentiable": False}, "['differentiable']"),
     ],
 )

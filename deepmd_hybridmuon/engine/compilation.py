@@ -28,13 +28,19 @@ import torch
 MIN_CAPABILITY = (8, 0)
 
 
+#: Whether the Triton kernels may run on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
+#: Off: a user who sets the variable to debug other kernels trains on the torch path, since the
+#: interpreter needs workarounds that only the tests install (``tests/conftest.py``), which turn this on.
+INTERPRETER_ON_CPU = False
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether the Triton kernels can run on ``device``.
 
-    On CUDA (compute capability 8.0 or newer) when Triton is installed; on the CPU only under Triton's interpreter
-    (``TRITON_INTERPRET=1``, used by the tests to run the kernels without a GPU).
+    On CUDA (compute capability 8.0 or newer) when Triton is installed; on the CPU only under Triton's
+    interpreter with :data:`INTERPRETER_ON_CPU` on (the tests' way to run the kernels without a GPU).
     """
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not (INTERPRETER_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     if device.type not in ("cuda", "cpu"):
         return False
