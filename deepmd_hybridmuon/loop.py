@@ -78,14 +78,21 @@ class _Phases:
             else:
                 self.adam_params.append((p, grad_of(p), route.route))
         self.gates: dict[torch.device, torch.Tensor] = {}
+        self.taken = False  # the gate is on the CPU and says "taken" (:meth:`_ok`)
 
     @property
     def has_muon(self) -> bool:
         """Whether the group has Muon matrices with gradients (phases 3-5 have work)."""
         return bool(self.matrices)
 
-    def _ok(self, device: torch.device) -> torch.Tensor:
-        """The one gate, copied once to each device the group's parameters live on."""
+    def _ok(self, device: torch.device) -> torch.Tensor | None:
+        """The one gate, copied once to each device the group's parameters live on; ``None`` when known taken.
+
+        A gate on the CPU is read at once (it costs nothing there): a step known to be taken runs
+        without the gate's multiplications and selections, half the passes over each tensor.
+        """
+        if self.taken:
+            return None
         if device not in self.gates:
             self.gates[device] = next(iter(self.gates.values())).to(device)
         return self.gates[device]
@@ -96,6 +103,7 @@ class _Phases:
         else:  # Adam gradients also below ADAM_GRAD_LIMIT (functional.finite_gate)
             ok = F.finite_gate([m.grad for m in self.matrices], [g for _, g, _ in self.adam_params])
         self.gates = {ok.device: ok}
+        self.taken = ok.device.type == "cpu" and bool(ok)
         return ok
 
     def adam(self, ok: torch.Tensor) -> None:
@@ -143,7 +151,10 @@ class _Phases:
             if m.sums is not None:
                 damp = F.magma_scale_(self.state[m.p]["magma_score"], F.magma_score(*m.sums), ok_here)
                 delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
-            m.p.addcmul_(delta.reshape(m.p.shape), ok_here.to(m.p.dtype) * -s.lr)
+            if ok_here is None:
+                m.p.add_(delta.reshape(m.p.shape), alpha=-s.lr)
+            else:
+                m.p.addcmul_(delta.reshape(m.p.shape), ok_here.to(m.p.dtype) * -s.lr)
 
     def apply(self, ok: torch.Tensor) -> None:
         """Nothing left: the Adam routes wrote their parameters in :meth:`adam`, Muon's in :meth:`orthogonalize`."""
