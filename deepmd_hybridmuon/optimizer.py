@@ -41,18 +41,16 @@ _BUILD_GROUP_KEYS: tuple[str, ...] = tuple(key for key in GROUP_KEYS if OPTION[k
 #: attribute ``_implementation`` of an optimizer before its first step (the only switch;
 #: :meth:`HybridMuonOptimizer._engine` reads it):
 #:
-#: * ``"auto"`` (default): ``"engine"`` on a GPU, ``"loop"`` on the CPU (measured faster there:
-#:   the engine's flat buffers and padded stacks cost passes over memory that a GPU hides);
-#: * ``"engine"``: the flat engine (:mod:`deepmd_hybridmuon.engine`), its arithmetic
+#: * ``"engine"`` (default): the flat engine (:mod:`deepmd_hybridmuon.engine`), its arithmetic
 #:   captured in a CUDA graph after two eager steps on CUDA;
 #: * ``"engine-eager"``: the flat engine, every step eager;
 #: * ``"loop"``: the per-parameter loop (:mod:`deepmd_hybridmuon.loop`), the specification.
-IMPLEMENTATIONS: tuple[str, ...] = ("auto", "engine", "engine-eager", "loop")
+IMPLEMENTATIONS: tuple[str, ...] = ("engine", "engine-eager", "loop")
 #: Attributes that pickling keeps besides torch's (see ``HybridMuonOptimizer.__getstate__``), with the
 #: values an object pickled without them (torch's own ``__getstate__``) gets: the constructor's defaults.
 _PICKLED: dict[str, Any] = {
     **{key: OPTION[key].default for key in SETTINGS},
-    "_implementation": "auto",
+    "_implementation": "engine",
     "_names_version": 0,
     "_state_version": 0,
     "_adam_limit_logged": False,
@@ -276,7 +274,7 @@ class HybridMuonOptimizer(Optimizer):
         validate_group(defaults)  # fail on the argument, before any group; choices lower-cased
         for key in SETTINGS:
             setattr(self, key, arguments[key])
-        self._implementation = "auto"  # see IMPLEMENTATIONS
+        self._implementation = "engine"  # see IMPLEMENTATIONS
         self._param_names: dict[int, str] = {}
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
@@ -603,15 +601,14 @@ class HybridMuonOptimizer(Optimizer):
     def _engine(self, index: int, group: dict[str, Any]) -> GroupEngine | None:
         """The flat engine of a group, (re)built when needed; ``None`` for the loop.
 
-        The loop runs when :data:`IMPLEMENTATIONS` ``"loop"`` is chosen, on the CPU by default, and for a group the
+        The loop runs when :data:`IMPLEMENTATIONS` ``"loop"`` is chosen and for a group the
         engine does not support (mixed dtypes or devices, DTensors). Parameters without a
         gradient are left out of the engine, which is rebuilt when that set changes (models
         with unused parameters have the same set every step).
         """
         if self._implementation not in IMPLEMENTATIONS:
             raise ValueError(f"Invalid _implementation: {self._implementation!r}; expected one of {IMPLEMENTATIONS}")
-        params = group["params"]
-        if self._implementation == "loop" or (self._implementation == "auto" and params and params[0].is_cpu):
+        if self._implementation == "loop":
             return None
         engine = self._runners.get(index)
         engine = engine if isinstance(engine, GroupEngine) else None
@@ -629,7 +626,7 @@ class HybridMuonOptimizer(Optimizer):
             signature=signature,
             flash_muon=self.flash_muon,
             shared_gate=self.nonfinite_across_ranks,
-            cuda_graph=self._implementation in ("auto", "engine"),
+            cuda_graph=self._implementation == "engine",
         )
         if kernels_ready and engine.compiling is None:
             log.info(KERNELS_IN_USE_LOG, self._steps_taken)

@@ -505,7 +505,6 @@ def test_triton_interpret_in_the_environment_trains_on_the_cpu():
         "from deepmd_hybridmuon import HybridMuonOptimizer\n"
         "w = torch.nn.Parameter(torch.randn(8, 4))\n"
         "opt = HybridMuonOptimizer([w], lr=1e-2)\n"
-        "opt._implementation = 'engine'\n"  # the implementation that would pick the Triton kernels (CPU: the loop)
         "for _ in range(2):\n"
         "    w.grad = torch.randn(8, 4)\n"
         "    opt.step()\n"

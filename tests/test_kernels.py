@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from conftest import KERNEL_MUON_TOL, make_optimizer, run_interpreted
+from conftest import KERNEL_MUON_TOL, run_interpreted
 
 from deepmd_hybridmuon import functional as F
 
@@ -394,6 +394,8 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
     """
     import inspect
 
+    from deepmd_hybridmuon import HybridMuonOptimizer
+
     K, device = kernels
     launched = {}
     kernels_launched = _host_kernels(K)
@@ -411,7 +413,7 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
     # one program per matrix, a panelled long matrix, a phased one, Adam parameters at odd lengths
     shapes = [(32, 48), (16, 2048), (136, 140), (7,), (5, 3)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-    opt = make_optimizer(params, "engine", lr=1e-3, magma_muon=True)
+    opt = HybridMuonOptimizer(params, lr=1e-3, magma_muon=True)
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen).to(device)
     opt.step()
@@ -443,6 +445,7 @@ def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_th
     written, also in the step after, from the state of the first. At or above
     functional.GRAD_LIMIT the step is skipped.
     """
+    from deepmd_hybridmuon import HybridMuonOptimizer
 
     K, device = kernels
     if dtype == torch.bfloat16 and device.type == "cpu":
@@ -463,7 +466,7 @@ def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_th
 
     def step(gradients):
         params = [torch.nn.Parameter(p.to(device, copy=True)) for p in init]
-        opt = make_optimizer(params, "engine", lr=0.5, magma_muon=True)
+        opt = HybridMuonOptimizer(params, lr=0.5, magma_muon=True)
         for p, g in zip(params, gradients, strict=True):
             p.grad = g.to(device)
         opt.step()
@@ -496,11 +499,12 @@ def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_th
 
 def test_adam_gradient_beyond_its_limit_skips_the_step_on_the_kernels(kernels):
     """An Adam gradient at ADAM_GRAD_LIMIT stops the whole step on the Triton path too (the gather kernel's flag)."""
+    from deepmd_hybridmuon import HybridMuonOptimizer
 
     _, device = kernels
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in ((32, 48), (7,))]
-    opt = make_optimizer(params, "engine", lr=0.5)
+    opt = HybridMuonOptimizer(params, lr=0.5)
     before = [p.detach().clone() for p in params]
     for top in (F.ADAM_GRAD_LIMIT, F.ADAM_GRAD_LIMIT / 2):  # skipped, then taken
         params[0].grad = torch.randn(32, 48, generator=gen).to(device)

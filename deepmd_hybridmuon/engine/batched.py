@@ -86,6 +86,7 @@ class BatchedStep:
         self.shared_gate = shared_gate
         self.K = compilation.kernels() if layout.triton else None
         self.ok = inputs.ok  # the last step's finite gate (compute)
+        self.taken = False  # the gate was read on the CPU: the step is taken (gate)
 
     # ------------------------------------------------------------------ host
 
@@ -124,6 +125,10 @@ class BatchedStep:
         self.one_minus_beta = one_minus_beta
         self.ok = step.run(self)  # captured: the graph's tensor, which each replay rewrites
 
+    def _gated(self, ok: torch.Tensor) -> torch.Tensor | None:
+        """``ok``, or ``None`` when the gate was read on the CPU and the step is taken (no gating arithmetic)."""
+        return None if self.taken else ok
+
     # The phases of step.run, on the layout's buffers.
 
     @property
@@ -136,8 +141,13 @@ class BatchedStep:
         L = self.layout
         if L.triton:  # the copy in also flags the spans a step cannot take
             self.K.gather(self.inputs.addresses, L.spans, L.grad, L.span_finite)
-            return self.inputs.ok if self.shared_gate else L.span_finite.amin()
-        return self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
+            ok = self.inputs.ok if self.shared_gate else L.span_finite.amin()
+        else:
+            ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
+        # On the CPU reading the gate costs nothing: a taken step then runs the torch path without the gating
+        # arithmetic (the Triton kernels, which run there under Triton's interpreter in the tests, take the gate).
+        self.taken = not L.triton and ok.device.type == "cpu" and bool(ok)
+        return ok
 
     def adam(self, ok: torch.Tensor) -> None:
         """Adam and AdamW into the update buffer; the decay waits for :meth:`apply`."""
@@ -149,7 +159,8 @@ class BatchedStep:
         with self.lanes.lane(L.adam_lane):  # each parameter's pair of scalars, spread over its elements
             adam = self.inputs.scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per param
             neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # one gather kernel
-            self._adam(neg_step * ok, bc2, ok, adam[:2])
+            gated = self._gated(ok)
+            self._adam(neg_step if gated is None else neg_step * gated, bc2, gated, adam[:2])
 
     def before_orthogonalize(self, ok: torch.Tensor) -> None:
         """Momentum and Nesterov update; the Newton-Schulz that reads only the update starts here.
@@ -160,21 +171,24 @@ class BatchedStep:
         taken whole in :meth:`orthogonalize` (with the Triton kernels, in the launch that also
         gives the factors). The decay waits for :meth:`apply`.
         """
-        self.pending = self._muon_update(ok, self.betas, self.one_minus_beta, self.lanes)
+        self.pending = self._muon_update(self._gated(ok), self.betas, self.one_minus_beta, self.lanes)
 
     def complete_sums(self) -> None:
         """Nothing: each matrix's sums are whole in one process."""
 
     def orthogonalize(self, ok: torch.Tensor) -> None:
         """Magma's factors, then every Muon matrix's orthogonalised update times its factor, into ``muon_delta``."""
-        self._muon(self.neg_lr * ok.to(self.layout.dtype), ok, *self.pending, self.lanes)
+        gated = self._gated(ok)
+        neg_lr = self.neg_lr if gated is None else self.neg_lr * gated.to(self.layout.dtype)
+        self._muon(neg_lr, gated, *self.pending, self.lanes)
         self.pending = None
 
     def apply(self, ok: torch.Tensor) -> None:
         """``p <- p * decay + delta``, the decays gated, once every lane has written its updates."""
         L = self.layout
         self.lanes.join()
-        self._apply(F.gate_factor(self.muon_decay, ok, L.dtype), F.gate_factor(self.adamw_decay, ok, L.dtype))
+        gated = self._gated(ok)
+        self._apply(F.gate_factor(self.muon_decay, gated, L.dtype), F.gate_factor(self.adamw_decay, gated, L.dtype))
 
     def _apply(self, muon_decay: torch.Tensor, adamw_decay: torch.Tensor) -> None:
         """p <- p * decay + delta for every parameter (decay: Muon's, AdamW's, or none for Adam)."""
@@ -190,18 +204,19 @@ class BatchedStep:
                 torch._foreach_mul_([p for p, _ in L.muon], muon_decay)
         torch._foreach_add_(L.staged, L.delta_views)
 
-    def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor, ok: torch.Tensor, weights: torch.Tensor) -> None:
-        """Adam on the flat moments; ``weights``: ``[1 - beta1, 1 - beta2]`` (float32)."""
+    def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor, ok: torch.Tensor | None, weights: torch.Tensor) -> None:
+        """Adam on the flat moments; ``weights``: ``[1 - beta1, 1 - beta2]`` (float32); ``ok`` None: taken."""
         L = self.layout
         grads = F.sanitize(L.adam_grad.to(torch.float32), ok)
-        L.exp_avg.lerp_(grads, ok * weights[0])
-        L.exp_avg_sq.lerp_(grads * grads, ok * weights[1])
+        weights = weights if ok is None else ok * weights
+        L.exp_avg.lerp_(grads, weights[0])
+        L.exp_avg_sq.lerp_(grads * grads, weights[1])
         denom = (L.exp_avg_sq / bc2).sqrt_().add_(F.ADAM_EPS)
         torch.div(L.exp_avg, denom, out=denom)
         L.adam_delta.copy_(denom.mul_(neg_step))
 
     def _muon_update(
-        self, ok: torch.Tensor, betas: torch.Tensor, one_minus_beta: torch.Tensor, lanes: Lanes
+        self, ok: torch.Tensor | None, betas: torch.Tensor, one_minus_beta: torch.Tensor, lanes: Lanes
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Momentum and Nesterov update of every Muon matrix; starts the torch buckets on it.
 
@@ -218,7 +233,7 @@ class BatchedStep:
             self.K.momentum_update(grads, L.momentum, update, ok, betas)
         else:
             grads = F.sanitize(L.muon_grad, ok)
-            L.momentum.lerp_(grads, ok.to(L.dtype) * one_minus_beta)
+            L.momentum.lerp_(grads, one_minus_beta if ok is None else ok.to(L.dtype) * one_minus_beta)
             compute = betas.dtype  # the loop's lerp with a Python-float weight computes in it too
             update = torch.lerp(grads.to(compute), L.momentum.to(compute), betas[0]).to(L.dtype)
         stacks = []
@@ -236,7 +251,7 @@ class BatchedStep:
     def _muon(
         self,
         neg_lr: torch.Tensor,
-        ok: torch.Tensor,
+        ok: torch.Tensor | None,
         grads: torch.Tensor,
         update: torch.Tensor,
         stacks: list[torch.Tensor],
@@ -258,18 +273,13 @@ class BatchedStep:
                 ok,
             )
         elif L.magma:
-            # Per-block sums (functional.magma_sums: each block scaled by a power of two, so
-            # nothing overflows): m and g scattered into the zero-padded layout of the
-            # Newton-Schulz stacks (one row per block) and summed per row: deterministic, and
-            # each block is summed on its own, whatever the scale of the other blocks.
-            both = torch.stack([L.momentum, grads])
-            sums = torch.empty(4, L.block_scale.numel(), dtype=torch.float32, device=L.device)
-            for b in L.buckets:
-                padded = torch.zeros(2, b.stack.numel(), dtype=L.dtype, device=L.device)
-                padded.index_copy_(1, b.dst, both.index_select(1, b.src))
-                rows = padded.view(2, b.batch, -1)
-                sums.index_copy_(1, b.block_ids, torch.stack(F.magma_sums(rows[0], rows[1])))
-            raw = F.magma_score(*sums)
+            # Per-block sums of each parameter's own rows of m and g (functional.magma_sums, as the
+            # loop takes them), in block order: each block summed on its own, whatever the others' scale.
+            parts = [
+                F.magma_sums(L.momentum[o : o + n].view(bs, -1), grads[o : o + n].view(bs, -1))
+                for o, n, bs in L.muon_rows
+            ]
+            raw = F.magma_score(*(torch.cat(sums) for sums in zip(*parts, strict=True)))
             torch.mul(L.block_scale * F.magma_scale_(L.scores, raw, ok), neg_lr.float(), out=factor)
         else:
             torch.mul(L.block_scale, neg_lr.float(), out=factor)

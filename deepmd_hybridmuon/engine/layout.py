@@ -30,15 +30,15 @@ from ..state import adopt
 MuonEntry = tuple[torch.Tensor, tuple[int, int, int]]
 
 
-def bucket_key(min_dim: int, device: torch.device) -> int:
-    """Bucket of a matrix by its smaller side.
+def bucket_key(small: int, large: int, device: torch.device) -> tuple[int, int]:
+    """Bucket of a matrix by its sides.
 
     On CUDA one bucket per path: padding costs idle FLOPs but saves launches, which
-    dominate at DeePMD sizes. On the CPU, FLOPs cost: bucket by the next power of two.
+    dominate at DeePMD sizes. On the CPU, FLOPs cost: one bucket per shape, no padding.
     """
     if device.type == "cuda":
-        return 0
-    return 1 << max(0, (min_dim - 1).bit_length())
+        return (0, 0)
+    return (small, large)
 
 
 def split_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -56,8 +56,6 @@ class Bucket:
     cols: int = 0  # N: the padded larger side
     members: list[tuple[int, int, int, int, int, bool]] = field(default_factory=list)
     # (flat offset, batch, rows, cols, batch offset in bucket, transposed)
-    src: torch.Tensor | None = None  # positions in the flat Muon vector
-    dst: torch.Tensor | None = None  # positions in the padded stack
     stack: torch.Tensor | None = None  # persistent zero-padded input
     blocks: list[int] = field(default_factory=list)  # global block index of each stack row
     # per member: (flat offset, batch, rows, cols, transposed, its part of the stack)
@@ -115,7 +113,7 @@ def assign(
     """
     fused: dict[tuple[bool, bool], Fused] = {}
     phased: dict[tuple[bool, int, int], Phased] = {}
-    buckets: dict[tuple[bool, int], Bucket] = {}
+    buckets: dict[tuple[bool, tuple[int, int]], Bucket] = {}
     offset = block = 0
     for bs, rows, cols in views:
         gram = use_gram and rows != cols
@@ -135,7 +133,7 @@ def assign(
             strides = (1, small) if rows > cols else (large, 1)
             g.matrices += [(offset + i * rows * cols, small, large, *strides, block + i) for i in range(bs)]
         else:
-            b = buckets.setdefault((gram, bucket_key(small, device)), Bucket(gram))
+            b = buckets.setdefault((gram, bucket_key(small, large, device)), Bucket(gram))
             b.members.append((offset, bs, rows, cols, b.batch, rows > cols))
             b.blocks.extend(range(block, block + bs))
             b.batch += bs
@@ -312,7 +310,9 @@ class Layout:
         # Blocks (one per matrix of each view) and their per-block Muon scale.
         settings = F.GroupSettings.of(group)
         lengths, scales = [], []
+        self.muon_rows: list[tuple[int, int, int]] = []  # (flat offset, elements, matrices) per parameter
         for bs, rows, cols in views:
+            self.muon_rows.append((sum(lengths), bs * rows * cols, bs))
             lengths += [rows * cols] * bs
             scales += [settings.scale(rows, cols)] * bs
         self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
@@ -358,17 +358,8 @@ class Layout:
         self.param_addresses = torch.tensor(self.storage, dtype=torch.int64, **kw)
 
     def _build_bucket(self, b: Bucket) -> None:
-        """Index maps into and out of a torch bucket's zero-padded stack, and the stack."""
+        """The views into and out of a torch bucket's zero-padded stack, and the stack."""
         kw = {"device": self.device}
-        src, dst = [], []
-        for off, bs, rows, cols, boff, tall in b.members:
-            k = torch.arange(bs * rows * cols, **kw)
-            i, r, c = k // (rows * cols), (k // cols) % rows, k % cols
-            if tall:  # wide orientation: element (r, c) goes to (c, r)
-                r, c = c, r
-            src.append(k + off)
-            dst.append(((boff + i) * b.rows + r) * b.cols + c)
-        b.src, b.dst = torch.cat(src), torch.cat(dst)
         # The stack holds the iteration's input dtype (float32 for the Gram path, bfloat16 for the
         # standard one), so the copy in converts, as the reference's first ``.to`` would.
         dtype = torch.float32 if b.use_gram else torch.bfloat16
