@@ -203,11 +203,16 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
             continue
         theirs, ours = _short(training[legacy]), _short(section[key])
         if legacy == "opt_type":
+            known = _optimizer_types()  # a fix offers no misspelled name
+            fixes = [f"remove training.opt_type to train with {ours}"] if section[key] in known else []
+            if training[legacy] in known:
+                fixes.append(f"set optimizer.type to {theirs} and remove training.opt_type")
+            names = ", ".join(map(repr, known))
+            fixes = fixes or [f"remove training.opt_type and set optimizer.type to one of {names}"]
             error = (
                 f"training.opt_type={theirs} contradicts optimizer.type={ours}: deepmd-kit's conversion of the "
                 f"legacy layout lets training.opt_type win, so dp train would use the {theirs} optimizer, not "
-                f"{ours}. Fix: remove training.opt_type to train with {ours} (or set optimizer.type to {theirs} "
-                "and remove training.opt_type)"
+                f"{ours}. Fix: {fixes[0]}" + (f" (or {fixes[1]})" if fixes[1:] else "")
             )
         else:
             messages.append(
@@ -217,9 +222,27 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
     return error, messages
 
 
-def _with_value(message: str, path: str, jdata: dict[str, Any]) -> str:
-    """Append the offending value to a dargs message (dargs names the key but not the value)."""
+def _optimizer_types() -> list[str]:
+    """The values ``optimizer.type`` takes (deepmd's optimizer schema, ours registered)."""
+    from deepmd.utils import argcheck
+
+    from .plugin import _plugin_registry
+
+    return [key[0] for key in _plugin_registry(argcheck)]
+
+
+def _with_value(message: str, path: str, jdata: dict[str, Any], training: set[str]) -> str:
+    """Append the offending value to a dargs message (dargs names the key but not the value).
+
+    An ``optimizer`` key that the conversion took from a legacy key of the input's ``training`` (whose keys
+    ``training`` holds) is named as the input has it, e.g. ``training``/``opt_type``.
+    """
+    message = message.replace(".Did you mean", ". Did you mean")
     match = re.search(r"key `([^`]+)`", message)
+    legacy = [old for old, new in LEGACY_OPTIMIZER_KEYS.items() if match and new == match.group(1) and old in training]
+    if match and legacy and path.strip("/") == "optimizer":
+        message = message.replace("[at location `optimizer`]", "[at location `training`]", 1)
+        message = message.replace(match.group(0), f"key `{legacy[0]}`", 1)
     shown = re.sub(rf"`([^`]{{{ECHO_CHARS + 1},}})`", lambda m: f"`{m.group(1)[:ECHO_CHARS]}...`", message)
     if match is None:
         return _cut(shown)
@@ -289,6 +312,7 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
 
     messages: list[str] = []
     shared_links = None
+    written = set(jdata.get("training", {}))  # the keys of the input's training (the conversion moves some)
     if "model_dict" in jdata.get("model", {}):
         jdata = {**jdata}
         jdata["model"], shared_links = _share(jdata["model"])
@@ -319,7 +343,7 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
         try:
             jdata = normalize(copy.deepcopy(jdata), multi_task=multi_task)
         except ArgumentError as err:
-            raise CheckError(_with_value(str(err), err.path, jdata)) from err
+            raise CheckError(_with_value(str(err), err.path, jdata, written)) from err
         except ValueError as err:  # deepmd's own cross-key checks
             raise CheckError(f"deepmd-kit rejects the input: {_cut(str(err))}") from err
     messages += [_cut(str(w.message)) for w in caught if issubclass(w.category, (DeprecationWarning, UserWarning))]
@@ -470,13 +494,13 @@ ZERO_STAGES: dict[int, tuple[str, str, str]] = {
     0: (
         "DDP",
         "every GPU holds the whole model and optimizer state and steps every parameter",
-        "flat engine on every rank: each rank takes the whole step, as one process does, and the replicas stay "
+        "the batched step on every rank: each rank takes the whole step, as one process does, and the replicas stay "
         "bitwise identical",
     ),
     1: (
         "ZeRO-1",
         "the optimizer state is split across the GPUs: each GPU steps its own share of the parameters",
-        "ZeroRedundancyOptimizer: each rank steps its own share of whole parameters (flat engine); ranks agree on "
+        "ZeroRedundancyOptimizer: each rank steps its own share of whole parameters (batched); ranks agree on "
         "skipping a step with a non-finite gradient",
     ),
     2: (
@@ -504,15 +528,23 @@ def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO
     print(f"\non this machine (deepmd trains on {device}):", file=out)
     print(f"  Triton kernels  {triton_line}", file=out)
     strategy, words, mechanism = ZERO_STAGES[stage]
-    print(f"  zero_stage {stage}    {strategy} under torchrun: {words}", file=out)
+    plan = f"{strategy} under torchrun: {words}"
+    gpu = device.type == "cuda"
+    if gpu:
+        print(f"  zero_stage {stage}    {plan}", file=out)
+    else:  # deepmd-kit's torchrun training puts each rank on a GPU
+        print(f"  zero_stage {stage}    not used here: on the CPU, dp --pt train trains in one process", file=out)
     if verbose:
+        if not gpu:
+            print(f"                  with GPUs, {plan}", file=out)
         print(f"                  how: {mechanism}", file=out)
         if stage in OWNER_STAGES:
             kernels = "the Triton kernels" if on else "batched torch kernels (Triton off, as above)"
             print(f"                  the owner ranks orthogonalise with {kernels}", file=out)
     else:
-        print("                  (-v or --table: how the optimizer does it)", file=out)
-    if stage:
+        more = "how the optimizer does it" if gpu else "what it does under torchrun with GPUs"
+        print(f"                  (-v or --table: {more})", file=out)
+    if stage and gpu:
         print("                  (one process: zero_stage is ignored, nothing to shard)", file=out)
 
 

@@ -56,7 +56,7 @@ def test_examples_pass_and_print_settings_and_routing(legacy, capsys):
     assert "fitting_net.filter_layers.networks.0.layers.1.matrix" not in out
     muon_line = next(line for line in out.splitlines() if line.strip().startswith("muon "))
     assert int(muon_line.split()[1]) > 0
-    assert "on this machine" in out and "Triton kernels" in out and "zero_stage 0    DDP" in out
+    assert "on this machine" in out and "Triton kernels" in out and "zero_stage 0    " in out
 
 
 @pytest.mark.parametrize(
@@ -145,28 +145,44 @@ def test_help_is_plain_text(capsys):
     ("change", "expected"),
     [
         ({"flash_muon": False}, "Triton kernels  off: flash_muon is false; batched torch kernels instead"),
-        ({"zero_stage": 0}, "zero_stage 0    DDP under torchrun: every GPU holds the whole model and optimizer state"),
-        ({"zero_stage": 1}, "zero_stage 1    ZeRO-1 under torchrun: the optimizer state is split across the GPUs"),
-        ({"zero_stage": 2}, "zero_stage 2    FSDP2 under torchrun: parameters, gradients and optimizer state are"),
-        ({"zero_stage": 3}, "zero_stage 3    FSDP2 under torchrun: as zero_stage 2, and each GPU frees"),
+        ({"zero_stage": 0}, "DDP under torchrun: every GPU holds the whole model and optimizer state"),
+        ({"zero_stage": 1}, "ZeRO-1 under torchrun: the optimizer state is split across the GPUs"),
+        ({"zero_stage": 2}, "FSDP2 under torchrun: parameters, gradients and optimizer state are"),
+        ({"zero_stage": 3}, "FSDP2 under torchrun: as zero_stage 2, and each GPU frees"),
     ],
 )
-def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, change, expected):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, monkeypatch, change, expected, device):
+    """On a GPU the zero_stage line says what torchrun makes of the run; on the CPU (one process: deepmd-kit's
+    torchrun training puts each rank on a GPU) that the stage is not used there, and with -v what GPUs make of it."""
+    from deepmd_hybridmuon import cli
+
+    monkeypatch.setattr(cli, "_training_device", lambda: torch.device(device))
+    if device == "cuda":  # without asking a GPU for the Triton line: this test is about the zero_stage line
+        monkeypatch.setattr(
+            cli, "triton_decision", lambda flash, _: (False, f"off: flash_muon is {str(flash).lower()}")
+        )
     config = _example()
-    if "zero_stage" in change:
-        config["training"].update(change)
-    else:
-        config["optimizer"].update(change)
+    stage = change.get("zero_stage", 0)
+    config["training" if "zero_stage" in change else "optimizer"].update(change)
     path = _write(tmp_path, config)
+    if "zero_stage" not in change:
+        expected = "Triton kernels  off: flash_muon is false"
+    elif device == "cuda":
+        expected = f"zero_stage {stage}    {expected}"
+    else:
+        expected = f"zero_stage {stage}    not used here: on the CPU, dp --pt train trains in one process\n"
     assert main(["check", "--no-routing", path]) == 0
     out = capsys.readouterr().out
-    assert expected in out
+    assert expected in out, out
+    assert ("under torchrun: " in out) == (device == "cuda")
     # the mechanism only with -v (or --table)
-    for word in ("flat engine", "owner rank", "ZeroRedundancyOptimizer", "DTensor"):
+    for word in ("batched step", "owner rank", "ZeroRedundancyOptimizer", "DTensor", "with GPUs, "):
         assert word not in out
     assert main(["check", "--no-routing", "-v", path]) == 0
     verbose = capsys.readouterr().out
     assert expected in verbose and "how: " in verbose
+    assert ("with GPUs, " in verbose) == (device == "cpu")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -315,6 +331,51 @@ def test_legacy_opt_type_contradicting_the_optimizer_section_is_an_error(tmp_pat
     )
     config["optimizer"]["type"] = "HybridMuon"  # the same optimizer twice: valid
     assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("legacy", "section", "fix"),
+    [
+        ("HybridMoun", "Adam", "Fix: remove training.opt_type to train with 'Adam'"),
+        ("Adam", "HybridMoun", "Fix: set optimizer.type to 'Adam' and remove training.opt_type"),
+        (
+            "HybridMoun",
+            "Adamm",
+            "Fix: remove training.opt_type and set optimizer.type to one of 'Adam', 'AdamW', 'LKF', 'AdaMuon', "
+            "'HybridMuon'",
+        ),
+    ],
+)
+def test_a_contradicting_opt_type_fix_never_offers_a_misspelled_optimizer(tmp_path, capsys, legacy, section, fix):
+    config = _example()
+    config["training"]["opt_type"] = legacy
+    config["optimizer"] = {"type": section}
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 1
+    err = capsys.readouterr().err
+    assert f"training.opt_type={legacy!r} contradicts optimizer.type={section!r}" in err
+    assert f"{fix}\n" in err, err
+    assert "(or " not in err
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        (
+            "opt_type",
+            "HybridMoun",
+            "[at location `training`] get invalid choice `HybridMoun` for flag key `opt_type`. Did you mean: "
+            "HybridMuon? (got 'HybridMoun')",
+        ),
+        ("momentum", "high", "[at location `training`] key `momentum` gets wrong value type, requires <float>"),
+    ],
+)
+def test_a_bad_legacy_key_is_named_as_the_input_has_it(tmp_path, capsys, key, value, expected):
+    config = _example(legacy=True)
+    config["training"][key] = value
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 1
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "`optimizer`" not in err and ".Did" not in err
 
 
 # ------------------------------------------------------------------ the real `dp`
