@@ -427,8 +427,16 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
         except Exception as err:  # another deepmd-kit's parser: dp stays deepmd's own
             log.debug("dp check not added: reading dp's parser failed: %r", err)
             parser, command = None, None
-        if parser is None or command not in (None, "check"):
+        if parser is None or command not in (None, "check") or (command is None and _disabled()):
             return original(args)
+        if _disabled():  # dp is deepmd-kit's own: say why it has no check
+            print(
+                f"dp: error: no `check` command: deepmd-hybridmuon is off ({DISABLE_ENV}={os.environ[DISABLE_ENV]} "
+                "in the environment). `dp-hybridmuon check` and `python -m deepmd_hybridmuon check` check an input "
+                f"with deepmd-hybridmuon's schema all the same; unset {DISABLE_ENV} to train with it",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
         from .cli import run_check
 
         parsed = parser.parse_args(argv)
@@ -483,13 +491,17 @@ def disabled_notice(module: Any) -> None:
     setattr(trainer, _NOTICE, True)
 
 
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
+
 def _enable(trainer_module: str | None) -> bool:
     """Version check and schema registration; then patch ``trainer_module`` when it is imported.
 
     Returns ``False`` when :data:`DISABLE_ENV` is set; then the trainer only gets
     :func:`disabled_notice`'s log line.
     """
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if _disabled():
         if trainer_module is not None:
             import wrapt
 
@@ -503,9 +515,13 @@ def _enable(trainer_module: str | None) -> bool:
 
 
 def on_deepmd_backend() -> None:
-    """Entry point of group ``deepmd.backend``: version check, schema registration, ``dp check``."""
-    if _enable(None):
-        add_dp_check()
+    """Entry point of group ``deepmd.backend``: version check, schema registration, ``dp check``.
+
+    With :data:`DISABLE_ENV` set, ``dp check`` only says why there is no check (every other command line is
+    deepmd-kit's, ``dp -h`` too).
+    """
+    _enable(None)
+    add_dp_check()
 
 
 def on_deepmd_pt() -> None:

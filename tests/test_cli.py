@@ -452,9 +452,9 @@ def test_dp_help_version_and_other_commands_are_deepmds():
     for args in (["--version"], ["--pt", "train", "-h"], ["--pt", "freeze", "-h"], ["--pt", "train"]):
         ours, theirs = _run([DP, *args]), _run([DP, *args], disable=True)
         assert (ours.returncode, ours.stdout, ours.stderr) == (theirs.returncode, theirs.stdout, theirs.stderr), args
-    # with the plugin off, `dp` is deepmd's own: no check command
+    # with the plugin off, `dp` is deepmd's own: no check command, and it says why
     off = _run([DP, "check", "x.json"], disable=True)
-    assert off.returncode == 2 and "invalid choice: 'check'" in off.stderr
+    assert off.returncode == 2 and "deepmd-hybridmuon is off (DEEPMD_HYBRIDMUON_DISABLE=1" in off.stderr
 
 
 @pytest.mark.slow
@@ -522,6 +522,31 @@ def test_dp_main_of_another_shape_runs_unchanged(caplog, shape):
     assert calls == [["check", "input.json"]]
     expected = "has no main_parser()" if shape == "no main_parser" else "has no subparsers action 'command'"
     assert any(expected in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_dp_check_with_the_plugin_off_says_why_and_what_checks_anyway(monkeypatch, capsys):
+    import argparse
+
+    from deepmd_hybridmuon import plugin
+
+    def main_parser() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog="dp")
+        parser.add_subparsers(dest="command").add_parser("train")
+        return parser
+
+    module, calls = _other_deepmd_main(main_parser)
+    monkeypatch.setitem(sys.modules, plugin.DP_MAIN_MODULE, module)
+    monkeypatch.setenv(plugin.DISABLE_ENV, "1")
+    plugin.on_deepmd_backend()  # what every `dp` command runs first
+    with pytest.raises(SystemExit) as stop:
+        module.main(["check", "input.json"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "no `check` command: deepmd-hybridmuon is off (DEEPMD_HYBRIDMUON_DISABLE=1 in the environment)" in err
+    assert "`dp-hybridmuon check` and `python -m deepmd_hybridmuon check`" in err
+    module.main(["train", "input.json"])
+    module.main([])  # `dp` alone: deepmd's own help, without check
+    assert calls == [["train", "input.json"], []]
 
 
 def test_add_dp_check_is_idempotent_and_leaves_other_module_classes_alone(caplog):
