@@ -8,6 +8,7 @@ console script (:func:`main`) does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import re
@@ -653,6 +654,23 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="also say how the optimizer runs under training.zero_stage"
     )
+
+
+def optimizer_error(err: Any, input_file: str | None) -> str | None:
+    """dargs' error ``err`` in ``dp train`` of ``input_file``, worded as ``dp check`` words it.
+
+    ``None`` unless the error is about the optimizer section (this package's schema).
+    """
+    from deepmd.utils.compat import update_deepmd_input
+
+    if err.path.strip("/") != "optimizer":
+        return None
+    jdata, written = {}, set()
+    with contextlib.suppress(CheckError):  # dp train has read it: it is an input file
+        raw = _load(input_file) if input_file else {}
+        written = set(raw.get("training", {}))
+        jdata = update_deepmd_input(raw, warning=False)
+    return f"{input_file}: {_with_value(str(err), err.path, jdata, written)}"
 
 
 def run_check(args: argparse.Namespace) -> int:

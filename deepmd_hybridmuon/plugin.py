@@ -427,6 +427,8 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
         except Exception as err:  # another deepmd-kit's parser: dp stays deepmd's own
             log.debug("dp check not added: reading dp's parser failed: %r", err)
             parser, command = None, None
+        if parser is not None and command not in (None, "check") and not _disabled():
+            return _optimizer_errors_in_one_line(original, args, parser, argv)
         if parser is None or command not in (None, "check") or (command is None and _disabled()):
             return original(args)
         if _disabled():  # dp is deepmd-kit's own: say why it has no check
@@ -449,6 +451,25 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
         return None
 
     return main
+
+
+def _optimizer_errors_in_one_line(original: Callable[..., Any], args: Any, parser: Any, argv: list[str]) -> Any:
+    """deepmd's ``main``; an input whose optimizer section fails our schema ends with dp check's message, exit 1.
+
+    deepmd-kit's ``dp train`` lets dargs' error end the process in a traceback.
+    """
+    from dargs.dargs import ArgumentError
+
+    try:
+        return original(args)
+    except ArgumentError as err:
+        from .cli import optimizer_error
+
+        message = optimizer_error(err, getattr(parser.parse_known_args(argv)[0], "INPUT", None))
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 # ------------------------------------------------------------------------ entry points

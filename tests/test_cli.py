@@ -420,6 +420,23 @@ def test_dp_check_is_dp_hybridmuon_check(inputs, capsys, backend, kind, table):
 
 
 @pytest.mark.slow
+def test_dp_train_with_a_bad_optimizer_value_ends_in_one_line_not_a_traceback(tmp_path):
+    config = _example()
+    config["optimizer"]["muon_mode"] = "3d"
+    proc = _run([DP, "--pt", "train", _write(tmp_path, config)], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: {tmp_path / 'input.json'}: [at location `optimizer`] key `muon_mode` gets bad value that fails to "
+        "pass its extra checking. expected one of '2d', 'flat', 'slice' (got '3d')"
+    )
+    config["optimizer"]["muon_mode"] = "slice"
+    config["model"]["descriptor"]["rcut"] = "far"  # not the optimizer's: deepmd-kit's own error, as before
+    proc = _run([DP, "--pt", "train", _write(tmp_path, config)], cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "key `rcut`" in proc.stderr
+
+
+@pytest.mark.slow
 def test_dp_check_invalid_input_exits_1_and_usage_error_exits_2(tmp_path):
     config = _example()
     config["optimizer"]["muon_mode"] = "3d"
