@@ -68,6 +68,8 @@ MAX_DEPTH = 64
 MAX_VALUES = 1_000_000
 #: How many characters of an offending value an error message echoes.
 ECHO_CHARS = 80
+#: The longest key accepted: keys are names. (dargs' "Did you mean" indexes an unknown key, some 40 bytes a character.)
+MAX_KEY_CHARS = 1000
 
 _FILE_KINDS: tuple[tuple[Any, str], ...] = (
     (stat.S_ISFIFO, "a named pipe (FIFO)"),
@@ -110,7 +112,10 @@ def _check_file(path: str) -> None:
 
 
 def _check_extent(data: Any) -> None:
-    """Refuse nesting deeper than :data:`MAX_DEPTH` and more than :data:`MAX_VALUES` values (a YAML alias bomb)."""
+    """Refuse nesting deeper than :data:`MAX_DEPTH`, more than :data:`MAX_VALUES` values (a YAML alias bomb).
+
+    And keys longer than :data:`MAX_KEY_CHARS`: dargs' suggestion for an unknown key would index all of it.
+    """
     stack = [(data, 1)]
     count = 0
     while stack:
@@ -124,6 +129,9 @@ def _check_extent(data: Any) -> None:
         if depth > MAX_DEPTH:
             raise CheckError(f"nests objects and lists more than {MAX_DEPTH} levels deep")
         if isinstance(node, dict):
+            long = next((key for key in node if isinstance(key, str) and len(key) > MAX_KEY_CHARS), None)
+            if long is not None:
+                raise CheckError(f"has a key {_short(long)}: keys are names of at most {MAX_KEY_CHARS:,} characters")
             stack.extend((value, depth + 1) for value in node.values())
         elif isinstance(node, list):
             stack.extend((value, depth + 1) for value in node)
