@@ -271,7 +271,7 @@ def kernels() -> Iterator[tuple[Any, torch.device]]:
         mp.undo()
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU: this module's test *_under_the_interpreter runs it interpreted")
+        pytest.skip("no GPU: these tests run on the CPU instead, in Triton's interpreter, from one test of this file")
     from deepmd_hybridmuon import kernels as K
 
     mp = interpreter_workarounds()
