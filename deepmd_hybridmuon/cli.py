@@ -143,11 +143,7 @@ def _load(path: str) -> Any:
     _check_file(path)
     try:
         data = j_loader(path)
-    except FileNotFoundError as err:
-        raise CheckError("no such file") from err
-    except IsADirectoryError as err:
-        raise CheckError("is a directory, not an input file") from err
-    except OSError as err:
+    except OSError as err:  # _check_file said what it could: this one changed since
         raise CheckError(f"cannot be read: {err.strerror or err}") from err
     except TypeError as err:  # j_loader's answer to another suffix
         raise CheckError(f"unknown file type {os.path.splitext(path)[1]!r}: expected .json, .yaml or .yml") from err
@@ -205,6 +201,10 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
     run would train another optimizer than the section names) and a warning for each
     other key.
     """
+    from deepmd.utils import argcheck
+
+    from .plugin import _plugin_registry
+
     section, training = jdata.get("optimizer", {}), jdata["training"]
     error, messages = None, []
     for legacy, key in LEGACY_OPTIMIZER_KEYS.items():
@@ -212,7 +212,7 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
             continue
         theirs, ours = _short(training[legacy]), _short(section[key])
         if legacy == "opt_type":
-            known = _optimizer_types()  # a fix offers no misspelled name
+            known = [name for name, *_ in _plugin_registry(argcheck)]  # a fix offers no misspelled name
             fixes = [f"remove training.opt_type to train with {ours}"] if section[key] in known else []
             if training[legacy] in known:
                 fixes.append(f"set optimizer.type to {theirs} and remove training.opt_type")
@@ -229,15 +229,6 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
                 f"of the legacy layout lets training.{legacy} win, so dp train uses {theirs}; remove one of them"
             )
     return error, messages
-
-
-def _optimizer_types() -> list[str]:
-    """The values ``optimizer.type`` takes (deepmd's optimizer schema, ours registered)."""
-    from deepmd.utils import argcheck
-
-    from .plugin import _plugin_registry
-
-    return [key[0] for key in _plugin_registry(argcheck)]
 
 
 def _with_value(message: str, path: str, jdata: dict[str, Any], training: set[str]) -> str:

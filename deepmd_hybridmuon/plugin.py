@@ -427,11 +427,12 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
         except Exception as err:  # another deepmd-kit's parser: dp stays deepmd's own
             log.debug("dp check not added: reading dp's parser failed: %r", err)
             parser, command = None, None
-        if parser is not None and command not in (None, "check") and not _disabled():
-            return _optimizer_errors_in_one_line(original, args, parser, argv)
-        if parser is None or command not in (None, "check") or (command is None and _disabled()):
+        off = _disabled()  # dp is deepmd-kit's own, only its check says why there is none
+        if parser is None or (off and command != "check"):
             return original(args)
-        if _disabled():  # dp is deepmd-kit's own: say why it has no check
+        if command not in (None, "check"):
+            return _optimizer_errors_in_one_line(original, args, parser, argv)
+        if off:
             print(
                 f"dp: error: no `check` command: deepmd-hybridmuon is off ({DISABLE_ENV}={os.environ[DISABLE_ENV]} "
                 "in the environment). `dp-hybridmuon check` and `python -m deepmd_hybridmuon check` check an input "
