@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from common import (
     parse_log,
     prepare_run,
     resolve_config,
+    shown_command,
     timing_input,
     torchrun_dp,
     utc_now,
@@ -64,7 +64,7 @@ def main() -> int:
     date = utc_now(seconds=False)
     title = f"{config_path.name}, {args.steps} steps, {args.gpus} rank(s), zero_stage {args.zero_stage}"
     print(f"# cold-cache exits: {title}")
-    print(f"- date: {date}\n- command: `{command_line()}`\n- each run: `{shlex.join(cmd)}`\n")
+    print(f"- date: {date}\n- command: `{command_line()}`\n- each run: `{shown_command(cmd)}`\n")
     print("| run | exit | wall (s) | kernels ready before the end | compile processes left |")
     print("|---:|---:|---:|---|---:|")
     failures = 0

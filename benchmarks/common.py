@@ -17,13 +17,15 @@ import re
 import shlex
 import shutil
 import sys
+import tempfile
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-#: The shared inputs next to the checkout (CI: ../shared).
-DEFAULT_CONFIG_DIR = REPO_ROOT.parent / "shared" / "configs"
+#: The water inputs shipped with the repository (their data in ``data/`` beside them).
+DEFAULT_CONFIG_DIR = REPO_ROOT / "examples" / "water"
 #: The optimizer's log lines: variants compiling in the background, and the step the kernels came in.
 COMPILING_MARK = "variants in the background"
 KERNELS_FROM_STEP_RE = re.compile(r"Triton kernels in use from step (\d+)")
@@ -54,9 +56,27 @@ def utc_now(seconds: bool = True) -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC" if seconds else "%Y-%m-%d %H:%M UTC")
 
 
+def shown(path: str | Path) -> str:
+    """``path`` as results record it: relative to the repository, else ``$TMPDIR/...``, else its name alone.
+
+    No absolute path of the machine that ran a benchmark goes into its results.
+    """
+    path = Path(path).resolve()
+    for root, prefix in ((REPO_ROOT, ""), (Path(tempfile.gettempdir()).resolve(), "$TMPDIR/")):
+        if path.is_relative_to(root):
+            rel = path.relative_to(root).as_posix()
+            return prefix + rel if rel != "." else prefix.rstrip("/") or "."
+    return path.name
+
+
+def shown_command(cmd: Sequence[str]) -> str:
+    """A command line as results record it: this Python as ``python``, absolute paths through :func:`shown`."""
+    return shlex.join("python" if a == sys.executable else shown(a) if os.path.isabs(a) else a for a in cmd)
+
+
 def command_line(argv: list[str] | None = None) -> str:
-    """The command line of this process (``argv``: the arguments main() was given instead)."""
-    return shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
+    """The command line of this process (``argv``: the arguments main() was given instead), as results record it."""
+    return shown_command([sys.executable, *sys.argv] if argv is None else argv)
 
 
 def first_line(err: BaseException) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Collectives and time of one HybridMuon step under FSDP2, on CPU gloo ranks.
 
-Builds the model of a deepmd input (default: the shared DPA-2 small water config), shards
+Builds the model of a deepmd input (default: ``examples/water/dpa2_small_water.json``), shards
 it with ``fully_shard`` on ``--world`` gloo ranks, gives it seeded gradients and reports,
 for one ``step()`` after ``--warmup`` steps: the process-group collectives it issued
 (counted with the torch profiler: every ``c10d::`` op, whoever calls it), the operators the
@@ -32,6 +32,7 @@ import os
 import pstats
 import socket
 import sys
+import tempfile
 import time
 import warnings
 from datetime import timedelta
@@ -216,7 +217,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = f"/tmp/fsdp_collectives.{os.getpid()}.json"
+    out = str(Path(tempfile.gettempdir()) / f"fsdp_collectives.{os.getpid()}.json")
     mp.start_processes(_worker, args=(port, args, out), nprocs=args.world, start_method="spawn")
     result = json.loads(Path(out).read_text())
     os.unlink(out)

@@ -32,10 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,8 @@ from common import (
     parse_log,
     prepare_run,
     resolve_config,
+    shown,
+    shown_command,
     timing_input,
     utc_now,
     write_json,
@@ -113,7 +115,7 @@ def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argpa
         log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (err.stdout, err.stderr))
         log += f"\n(timed out after {args.timeout} s)"
     (rundir / "train.log").write_text(log)
-    out: dict[str, Any] = {"command": shlex.join(cmd), "returncode": rc, "wall_s": time.perf_counter() - t0}
+    out: dict[str, Any] = {"command": shown_command(cmd), "returncode": rc, "wall_s": time.perf_counter() - t0}
     out.update(parse_log(log))
     # A compile child ran in this run (Triton's cache lacked a variant, or the ledger did not list it).
     out["compile_child"] = COMPILING_MARK in log
@@ -208,7 +210,7 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=10, help="optimizer steps left out of the step time (warm-up)")
     ap.add_argument("--single", action="store_true", help="also one 1-GPU run of ours per config")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/multi_gpu"))
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "multi_gpu")
     ap.add_argument("--json", type=Path)
     ap.add_argument(
         "--no-ema",
@@ -237,7 +239,7 @@ def main() -> int:
     for spec in args.configs:
         path = resolve_config(spec, args.config_dir)
         base = json.loads(path.read_text())
-        per: dict[str, Any] = {"config": str(path), "runs": {}, "order": [], "distances": {}}
+        per: dict[str, Any] = {"config": shown(path), "runs": {}, "order": [], "distances": {}}
         results["configs"][path.stem] = per
         stat = args.workdir / f"{path.stem}.stat.hdf5"
         # A 1-step run first computes the data statistics file that every timed run then loads

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run benchmarks/train_quality.py jobs in parallel on one GPU (small models leave it mostly idle).
 # Usage: benchmarks/quality_gpu.sh OUTDIR CONFIG STEPS "OPT:LR:SEEDS" ...
-#   e.g. benchmarks/quality_gpu.sh /tmp/q se_e2_a_water 1500 ours:1e-2:1,2 builtin:1e-2:1,2 adam:1e-3:1,2
+#   e.g. benchmarks/quality_gpu.sh runs/q se_e2_a_water 1500 ours:1e-2:1,2 builtin:1e-2:1,2 adam:1e-3:1,2
 # OPT is one of train_quality.py's optimizers (ours, builtin, adam; adam keeps a config's own AdamW).
 # TQ_TIMEOUT: seconds per dp process (the lcurve so far is kept on timeout); TQ_ARGS: more train_quality.py run options; TQ_TEST=1: dp test the final checkpoints.
 set -u

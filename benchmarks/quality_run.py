@@ -39,6 +39,7 @@ from common import (
     parse_value,
     prepare_run,
     resolve_config,
+    shown,
     utc_now,
     write_json,
 )
@@ -209,7 +210,7 @@ def run_one(
     mark_line = next((ln.strip() for ln in text.splitlines() if OURS_LOG_MARK in ln), None)
     result: dict[str, Any] = {
         "config": config_name,
-        "config_path": str(config_path),
+        "config_path": shown(config_path),
         "optimizer": optimizer,
         "label": label,
         "seed": seed,
@@ -225,7 +226,7 @@ def run_one(
         "hm_kw": {k: repr(v) for k, v in hm_kw.items()} if optimizer in ("ours", "builtin") else {},
         "env": {DISABLE_ENV: "1"} if optimizer == "builtin" else {},
         "input_digest": digest,
-        "rundir": str(rundir),
+        "rundir": shown(rundir),
         "returncode": rc,
         "timed_out": timed_out,
         "wall_s": wall,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time one optimizer step of deepmd-hybridmuon, deepmd-kit's built-in HybridMuon and AdamW.
 
-The parameter sets are those of real deepmd-kit models (the configs in ``shared/configs``),
+The parameter sets are those of real deepmd-kit models (the water inputs in ``examples/water``),
 named as deepmd's trainer names them (``model.Default.<...>``). Every step gets fresh
 gradient tensors, as deepmd's trainer does (``zero_grad(set_to_none=True)`` then backward):
 before each step, and outside the timed region, each ``p.grad`` is set to a fresh copy of
@@ -52,6 +52,7 @@ from common import (
     first_line,
     package_version,
     parse_kw,
+    shown,
     utc_now,
     write_json,
 )
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
 
     warm_device(device)
-    report: dict[str, Any] = {"environment": env, "args": {**vars(args), "config_dir": str(args.config_dir)}}
+    report: dict[str, Any] = {"environment": env, "args": {**vars(args), "config_dir": shown(args.config_dir)}}
     report["args"].pop("json", None)
     report["args"]["ours_kw"] = {k: repr(v) for k, v in ours_kw.items()}
     report["configs"] = {}

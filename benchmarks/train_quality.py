@@ -46,13 +46,13 @@ lcurve point, the ``_trn`` columns on the single training batch of that step.
 Usage::
 
     # on the GPU machine (python3 with torch, deepmd-kit and this package)
-    python3 benchmarks/train_quality.py run --workdir /tmp/tq --seeds 1,2
+    python3 benchmarks/train_quality.py run --workdir runs/tq --seeds 1,2
     python3 benchmarks/train_quality.py run --configs dpa3_water --steps dpa3_water=800 \\
         --optimizers ours,builtin --lr ours=2e-3,builtin=2e-3 --hm-kw enable_gram=False --tag nogram
     # smoke test (CPU)
     python benchmarks/train_quality.py run --configs se_e2_a_water --steps se_e2_a_water=20 --seeds 1
     # here (needs matplotlib)
-    python benchmarks/train_quality.py report /tmp/tq/results.json --plots plots/
+    python benchmarks/train_quality.py report runs/tq/results.json --plots plots/
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Variants:
 Usage::
 
     python benchmarks/train_speed.py se_e2_a_water                      # ours,builtin,adamw; 300 steps
-    python benchmarks/train_speed.py ../shared/configs/dpa3_water.json --variants ours,builtin
+    python benchmarks/train_speed.py examples/water/dpa3_water.json --variants ours,builtin
     python benchmarks/train_speed.py dpa2_small_water --steps 500 --disp-freq 100 --opt-kw enable_gram=False
     python benchmarks/train_speed.py se_e2_a_water --steps 6 --disp-freq 2 --json out.json   # smoke test
     python benchmarks/train_speed.py dpa4_water    # DPA-4: needs vesin + vesin-torch (this package depends on them)
@@ -50,6 +50,7 @@ from common import (
     parse_log,
     prepare_run,
     resolve_config,
+    shown,
     timing_input,
     utc_now,
     write_json,
@@ -101,7 +102,7 @@ def run_variant(
         rc = proc.wait()
     wall = time.perf_counter() - t0
     text = log_path.read_text()
-    result: dict[str, Any] = {"variant": variant, "returncode": rc, "process_wall_s": wall, "rundir": str(rundir)}
+    result: dict[str, Any] = {"variant": variant, "returncode": rc, "process_wall_s": wall, "rundir": shown(rundir)}
     result.update(parse_log(text))
     result["optimizer_section"] = cfg["optimizer"]
     problems = []
@@ -210,12 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\naverage s/batch (deepmd): {avg_line or 'none'}")
     if args.json:
         report = {
-            "config": str(config_path),
+            "config": shown(config_path),
             "steps": args.steps,
             "disp_freq": args.disp_freq,
             "date_utc": date,
             "command": command,
-            "workdir": str(workdir),
+            "workdir": shown(workdir),
             "opt_kw": {k: repr(v) for k, v in opt_kw.items()},
             "results": results,
         }

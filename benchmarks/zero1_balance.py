@@ -6,7 +6,7 @@ parameters, balanced by element count (largest first, onto the rank with the few
 so far). HybridMuon's cost is not the element count: Newton–Schulz costs about
 ``rows * cols * min(rows, cols)`` per matrix (``distributed.ns_cost``), and Adam-routed
 parameters cost almost nothing. This script runs torch's own partition rule on the parameters
-of real models (built from the shared configs, no data needed) and reports, per world size, the
+of real models (built from the inputs in examples/water, no data needed) and reports, per world size, the
 largest rank's share of the elements and of the Newton–Schulz cost, against a perfect split.
 
 Runs on the CPU in seconds::

@@ -8,6 +8,7 @@ console script (:func:`main`) does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import re
@@ -67,6 +68,8 @@ MAX_DEPTH = 64
 MAX_VALUES = 1_000_000
 #: How many characters of an offending value an error message echoes.
 ECHO_CHARS = 80
+#: The longest key accepted: keys are names. (dargs' "Did you mean" indexes an unknown key, some 40 bytes a character.)
+MAX_KEY_CHARS = 1000
 
 _FILE_KINDS: tuple[tuple[Any, str], ...] = (
     (stat.S_ISFIFO, "a named pipe (FIFO)"),
@@ -109,7 +112,10 @@ def _check_file(path: str) -> None:
 
 
 def _check_extent(data: Any) -> None:
-    """Refuse nesting deeper than :data:`MAX_DEPTH` and more than :data:`MAX_VALUES` values (a YAML alias bomb)."""
+    """Refuse nesting deeper than :data:`MAX_DEPTH`, more than :data:`MAX_VALUES` values (a YAML alias bomb).
+
+    And keys longer than :data:`MAX_KEY_CHARS`: dargs' suggestion for an unknown key would index all of it.
+    """
     stack = [(data, 1)]
     count = 0
     while stack:
@@ -123,6 +129,9 @@ def _check_extent(data: Any) -> None:
         if depth > MAX_DEPTH:
             raise CheckError(f"nests objects and lists more than {MAX_DEPTH} levels deep")
         if isinstance(node, dict):
+            long = next((key for key in node if isinstance(key, str) and len(key) > MAX_KEY_CHARS), None)
+            if long is not None:
+                raise CheckError(f"has a key {_short(long)}: keys are names of at most {MAX_KEY_CHARS:,} characters")
             stack.extend((value, depth + 1) for value in node.values())
         elif isinstance(node, list):
             stack.extend((value, depth + 1) for value in node)
@@ -134,11 +143,7 @@ def _load(path: str) -> Any:
     _check_file(path)
     try:
         data = j_loader(path)
-    except FileNotFoundError as err:
-        raise CheckError("no such file") from err
-    except IsADirectoryError as err:
-        raise CheckError("is a directory, not an input file") from err
-    except OSError as err:
+    except OSError as err:  # _check_file said what it could: this one changed since
         raise CheckError(f"cannot be read: {err.strerror or err}") from err
     except TypeError as err:  # j_loader's answer to another suffix
         raise CheckError(f"unknown file type {os.path.splitext(path)[1]!r}: expected .json, .yaml or .yml") from err
@@ -196,6 +201,10 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
     run would train another optimizer than the section names) and a warning for each
     other key.
     """
+    from deepmd.utils import argcheck
+
+    from .plugin import _plugin_registry
+
     section, training = jdata.get("optimizer", {}), jdata["training"]
     error, messages = None, []
     for legacy, key in LEGACY_OPTIMIZER_KEYS.items():
@@ -203,11 +212,16 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
             continue
         theirs, ours = _short(training[legacy]), _short(section[key])
         if legacy == "opt_type":
+            known = [name for name, *_ in _plugin_registry(argcheck)]  # a fix offers no misspelled name
+            fixes = [f"remove training.opt_type to train with {ours}"] if section[key] in known else []
+            if training[legacy] in known:
+                fixes.append(f"set optimizer.type to {theirs} and remove training.opt_type")
+            names = ", ".join(map(repr, known))
+            fixes = fixes or [f"remove training.opt_type and set optimizer.type to one of {names}"]
             error = (
                 f"training.opt_type={theirs} contradicts optimizer.type={ours}: deepmd-kit's conversion of the "
                 f"legacy layout lets training.opt_type win, so dp train would use the {theirs} optimizer, not "
-                f"{ours}. Fix: remove training.opt_type to train with {ours} (or set optimizer.type to {theirs} "
-                "and remove training.opt_type)"
+                f"{ours}. Fix: {fixes[0]}" + (f" (or {fixes[1]})" if fixes[1:] else "")
             )
         else:
             messages.append(
@@ -217,9 +231,18 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
     return error, messages
 
 
-def _with_value(message: str, path: str, jdata: dict[str, Any]) -> str:
-    """Append the offending value to a dargs message (dargs names the key but not the value)."""
+def _with_value(message: str, path: str, jdata: dict[str, Any], training: set[str]) -> str:
+    """Append the offending value to a dargs message (dargs names the key but not the value).
+
+    An ``optimizer`` key that the conversion took from a legacy key of the input's ``training`` (whose keys
+    ``training`` holds) is named as the input has it, e.g. ``training``/``opt_type``.
+    """
+    message = message.replace(".Did you mean", ". Did you mean")
     match = re.search(r"key `([^`]+)`", message)
+    legacy = [old for old, new in LEGACY_OPTIMIZER_KEYS.items() if match and new == match.group(1) and old in training]
+    if match and legacy and path.strip("/") == "optimizer":
+        message = message.replace("[at location `optimizer`]", "[at location `training`]", 1)
+        message = message.replace(match.group(0), f"key `{legacy[0]}`", 1)
     shown = re.sub(rf"`([^`]{{{ECHO_CHARS + 1},}})`", lambda m: f"`{m.group(1)[:ECHO_CHARS]}...`", message)
     if match is None:
         return _cut(shown)
@@ -289,6 +312,7 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
 
     messages: list[str] = []
     shared_links = None
+    written = set(jdata.get("training", {}))  # the keys of the input's training (the conversion moves some)
     if "model_dict" in jdata.get("model", {}):
         jdata = {**jdata}
         jdata["model"], shared_links = _share(jdata["model"])
@@ -319,7 +343,7 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
         try:
             jdata = normalize(copy.deepcopy(jdata), multi_task=multi_task)
         except ArgumentError as err:
-            raise CheckError(_with_value(str(err), err.path, jdata)) from err
+            raise CheckError(_with_value(str(err), err.path, jdata, written)) from err
         except ValueError as err:  # deepmd's own cross-key checks
             raise CheckError(f"deepmd-kit rejects the input: {_cut(str(err))}") from err
     messages += [_cut(str(w.message)) for w in caught if issubclass(w.category, (DeprecationWarning, UserWarning))]
@@ -470,13 +494,13 @@ ZERO_STAGES: dict[int, tuple[str, str, str]] = {
     0: (
         "DDP",
         "every GPU holds the whole model and optimizer state and steps every parameter",
-        "flat engine on every rank: each rank takes the whole step, as one process does, and the replicas stay "
+        "the batched step on every rank: each rank takes the whole step, as one process does, and the replicas stay "
         "bitwise identical",
     ),
     1: (
         "ZeRO-1",
         "the optimizer state is split across the GPUs: each GPU steps its own share of the parameters",
-        "ZeroRedundancyOptimizer: each rank steps its own share of whole parameters (flat engine); ranks agree on "
+        "ZeroRedundancyOptimizer: each rank steps its own share of whole parameters (batched); ranks agree on "
         "skipping a step with a non-finite gradient",
     ),
     2: (
@@ -504,15 +528,23 @@ def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO
     print(f"\non this machine (deepmd trains on {device}):", file=out)
     print(f"  Triton kernels  {triton_line}", file=out)
     strategy, words, mechanism = ZERO_STAGES[stage]
-    print(f"  zero_stage {stage}    {strategy} under torchrun: {words}", file=out)
+    plan = f"{strategy} under torchrun: {words}"
+    gpu = device.type == "cuda"
+    if gpu:
+        print(f"  zero_stage {stage}    {plan}", file=out)
+    else:  # deepmd-kit's torchrun training puts each rank on a GPU
+        print(f"  zero_stage {stage}    not used here: on the CPU, dp --pt train trains in one process", file=out)
     if verbose:
+        if not gpu:
+            print(f"                  with GPUs, {plan}", file=out)
         print(f"                  how: {mechanism}", file=out)
         if stage in OWNER_STAGES:
             kernels = "the Triton kernels" if on else "batched torch kernels (Triton off, as above)"
             print(f"                  the owner ranks orthogonalise with {kernels}", file=out)
     else:
-        print("                  (-v or --table: how the optimizer does it)", file=out)
-    if stage:
+        more = "how the optimizer does it" if gpu else "what it does under torchrun with GPUs"
+        print(f"                  (-v or --table: {more})", file=out)
+    if stage and gpu:
         print("                  (one process: zero_stage is ignored, nothing to shard)", file=out)
 
 
@@ -621,6 +653,23 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="also say how the optimizer runs under training.zero_stage"
     )
+
+
+def optimizer_error(err: Any, input_file: str | None) -> str | None:
+    """dargs' error ``err`` in ``dp train`` of ``input_file``, worded as ``dp check`` words it.
+
+    ``None`` unless the error is about the optimizer section (this package's schema).
+    """
+    from deepmd.utils.compat import update_deepmd_input
+
+    if err.path.strip("/") != "optimizer":
+        return None
+    jdata, written = {}, set()
+    with contextlib.suppress(CheckError):  # dp train has read it: it is an input file
+        raw = _load(input_file) if input_file else {}
+        written = set(raw.get("training", {}))
+        jdata = update_deepmd_input(raw, warning=False)
+    return f"{input_file}: {_with_value(str(err), err.path, jdata, written)}"
 
 
 def run_check(args: argparse.Namespace) -> int:

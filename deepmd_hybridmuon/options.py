@@ -172,8 +172,9 @@ OPTIONS: tuple[Option, ...] = (
         "magma_muon",
         (bool,),
         True,
-        "Magma-lite: damp each Muon matrix update by 0.1 + 0.9*score, score an EMA (0.9, "
-        "from 0.5) of the stretched sigmoid of cos(momentum, gradient). Adam routes untouched.",
+        "Magma-lite (deepmd-kit's name): scale each Muon matrix update by 0.1 + 0.9*score, the score a running "
+        "average (EMA 0.9, from 0.5) of how far momentum and gradient point the same way (a stretched sigmoid of "
+        "their cosine); about 0.55 while gradients are noisy. Adam routes untouched.",
         effect="build",
     ),
     Option(

@@ -427,8 +427,19 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
         except Exception as err:  # another deepmd-kit's parser: dp stays deepmd's own
             log.debug("dp check not added: reading dp's parser failed: %r", err)
             parser, command = None, None
-        if parser is None or command not in (None, "check"):
+        off = _disabled()  # dp is deepmd-kit's own, only its check says why there is none
+        if parser is None or (off and command != "check"):
             return original(args)
+        if command not in (None, "check"):
+            return _optimizer_errors_in_one_line(original, args, parser, argv)
+        if off:
+            print(
+                f"dp: error: no `check` command: deepmd-hybridmuon is off ({DISABLE_ENV}={os.environ[DISABLE_ENV]} "
+                "in the environment). `dp-hybridmuon check` and `python -m deepmd_hybridmuon check` check an input "
+                f"with deepmd-hybridmuon's schema all the same; unset {DISABLE_ENV} to train with it",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
         from .cli import run_check
 
         parsed = parser.parse_args(argv)
@@ -441,6 +452,25 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
         return None
 
     return main
+
+
+def _optimizer_errors_in_one_line(original: Callable[..., Any], args: Any, parser: Any, argv: list[str]) -> Any:
+    """deepmd's ``main``; an input whose optimizer section fails our schema ends with dp check's message, exit 1.
+
+    deepmd-kit's ``dp train`` lets dargs' error end the process in a traceback.
+    """
+    from dargs.dargs import ArgumentError
+
+    try:
+        return original(args)
+    except ArgumentError as err:
+        from .cli import optimizer_error
+
+        message = optimizer_error(err, getattr(parser.parse_known_args(argv)[0], "INPUT", None))
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 # ------------------------------------------------------------------------ entry points
@@ -483,13 +513,17 @@ def disabled_notice(module: Any) -> None:
     setattr(trainer, _NOTICE, True)
 
 
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
+
 def _enable(trainer_module: str | None) -> bool:
     """Version check and schema registration; then patch ``trainer_module`` when it is imported.
 
     Returns ``False`` when :data:`DISABLE_ENV` is set; then the trainer only gets
     :func:`disabled_notice`'s log line.
     """
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if _disabled():
         if trainer_module is not None:
             import wrapt
 
@@ -503,9 +537,13 @@ def _enable(trainer_module: str | None) -> bool:
 
 
 def on_deepmd_backend() -> None:
-    """Entry point of group ``deepmd.backend``: version check, schema registration, ``dp check``."""
-    if _enable(None):
-        add_dp_check()
+    """Entry point of group ``deepmd.backend``: version check, schema registration, ``dp check``.
+
+    With :data:`DISABLE_ENV` set, ``dp check`` only says why there is no check (every other command line is
+    deepmd-kit's, ``dp -h`` too).
+    """
+    _enable(None)
+    add_dp_check()
 
 
 def on_deepmd_pt() -> None:

@@ -29,7 +29,7 @@ Examples
 --------
     python make_data.py                  # writes ./data/train and ./data/valid
     python make_data.py --check          # finite-difference check of the forces first
-    python make_data.py --out /tmp/data --ntrain 400 --nvalid 80
+    python make_data.py --out more_data --ntrain 400 --nvalid 80
 """
 
 from __future__ import annotations

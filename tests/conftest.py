@@ -1,7 +1,7 @@
 """Shared fixtures: tiny real deepmd-kit PyTorch models and helpers to drive optimizers.
 
 The three model configurations are shrunk copies of the ``model`` sections of
-``/work/shared/configs/{se_e2_a,dpa2_small,dpa3}_water.json``: same descriptor type and
+``examples/water/{se_e2_a,dpa2_small,dpa3}_water.json``: same descriptor type and
 options (three-body repinit, res_residual repformer/repflow updates, resnet_dt fitting,
 ...), far fewer neurons, layers and neighbours. They keep every parameter kind deepmd
 creates for these descriptors: weight matrices (square, tall, wide), vectors whose shape
@@ -272,7 +272,7 @@ def kernels() -> Iterator[tuple[Any, torch.device]]:
         mp.undo()
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU: this module's test *_under_the_interpreter runs it interpreted")
+        pytest.skip("no GPU: these tests run on the CPU instead, in Triton's interpreter, from one test of this file")
     from deepmd_hybridmuon import kernels as K
 
     mp = interpreter_workarounds()

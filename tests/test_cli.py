@@ -29,7 +29,7 @@ from deepmd_hybridmuon.cli import (
 from deepmd_hybridmuon.plugin import add_dp_check
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-SHARED_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"  # /work/shared/configs
+WATER = EXAMPLES / "water"
 BIN = Path(sys.executable).parent
 DP = str(BIN / "dp")
 DP_HYBRIDMUON = str(BIN / "dp-hybridmuon")
@@ -56,7 +56,7 @@ def test_examples_pass_and_print_settings_and_routing(legacy, capsys):
     assert "fitting_net.filter_layers.networks.0.layers.1.matrix" not in out
     muon_line = next(line for line in out.splitlines() if line.strip().startswith("muon "))
     assert int(muon_line.split()[1]) > 0
-    assert "on this machine" in out and "Triton kernels" in out and "zero_stage 0    DDP" in out
+    assert "on this machine" in out and "Triton kernels" in out and "zero_stage 0    " in out
 
 
 @pytest.mark.parametrize(
@@ -145,28 +145,44 @@ def test_help_is_plain_text(capsys):
     ("change", "expected"),
     [
         ({"flash_muon": False}, "Triton kernels  off: flash_muon is false; batched torch kernels instead"),
-        ({"zero_stage": 0}, "zero_stage 0    DDP under torchrun: every GPU holds the whole model and optimizer state"),
-        ({"zero_stage": 1}, "zero_stage 1    ZeRO-1 under torchrun: the optimizer state is split across the GPUs"),
-        ({"zero_stage": 2}, "zero_stage 2    FSDP2 under torchrun: parameters, gradients and optimizer state are"),
-        ({"zero_stage": 3}, "zero_stage 3    FSDP2 under torchrun: as zero_stage 2, and each GPU frees"),
+        ({"zero_stage": 0}, "DDP under torchrun: every GPU holds the whole model and optimizer state"),
+        ({"zero_stage": 1}, "ZeRO-1 under torchrun: the optimizer state is split across the GPUs"),
+        ({"zero_stage": 2}, "FSDP2 under torchrun: parameters, gradients and optimizer state are"),
+        ({"zero_stage": 3}, "FSDP2 under torchrun: as zero_stage 2, and each GPU frees"),
     ],
 )
-def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, change, expected):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, monkeypatch, change, expected, device):
+    """On a GPU the zero_stage line says what torchrun makes of the run; on the CPU (one process: deepmd-kit's
+    torchrun training puts each rank on a GPU) that the stage is not used there, and with -v what GPUs make of it."""
+    from deepmd_hybridmuon import cli
+
+    monkeypatch.setattr(cli, "_training_device", lambda: torch.device(device))
+    if device == "cuda":  # without asking a GPU for the Triton line: this test is about the zero_stage line
+        monkeypatch.setattr(
+            cli, "triton_decision", lambda flash, _: (False, f"off: flash_muon is {str(flash).lower()}")
+        )
     config = _example()
-    if "zero_stage" in change:
-        config["training"].update(change)
-    else:
-        config["optimizer"].update(change)
+    stage = change.get("zero_stage", 0)
+    config["training" if "zero_stage" in change else "optimizer"].update(change)
     path = _write(tmp_path, config)
+    if "zero_stage" not in change:
+        expected = "Triton kernels  off: flash_muon is false"
+    elif device == "cuda":
+        expected = f"zero_stage {stage}    {expected}"
+    else:
+        expected = f"zero_stage {stage}    not used here: on the CPU, dp --pt train trains in one process\n"
     assert main(["check", "--no-routing", path]) == 0
     out = capsys.readouterr().out
-    assert expected in out
+    assert expected in out, out
+    assert ("under torchrun: " in out) == (device == "cuda")
     # the mechanism only with -v (or --table)
-    for word in ("flat engine", "owner rank", "ZeroRedundancyOptimizer", "DTensor"):
+    for word in ("batched step", "owner rank", "ZeroRedundancyOptimizer", "DTensor", "with GPUs, "):
         assert word not in out
     assert main(["check", "--no-routing", "-v", path]) == 0
     verbose = capsys.readouterr().out
     assert expected in verbose and "how: " in verbose
+    assert ("with GPUs, " in verbose) == (device == "cpu")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -192,9 +208,7 @@ def test_fsdp2_owners_use_the_triton_kernels_where_the_engine_would(tmp_path, ca
 def test_learning_rate_schedule_is_deepmds(tmp_path, capsys, name):
     from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
 
-    path = EXAMPLES / name if name == "input.json" else SHARED_CONFIGS / name
-    if not path.is_file():  # the shared configs lie beside the repository on the team's and CI's machines only
-        pytest.skip(f"{path} is not here")
+    path = EXAMPLES / name if name == "input.json" else WATER / name
     config = json.loads(path.read_text())
     assert main(["check", "--no-routing", str(path)]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("learning rate: "))
@@ -319,6 +333,51 @@ def test_legacy_opt_type_contradicting_the_optimizer_section_is_an_error(tmp_pat
     assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
 
 
+@pytest.mark.parametrize(
+    ("legacy", "section", "fix"),
+    [
+        ("HybridMoun", "Adam", "Fix: remove training.opt_type to train with 'Adam'"),
+        ("Adam", "HybridMoun", "Fix: set optimizer.type to 'Adam' and remove training.opt_type"),
+        (
+            "HybridMoun",
+            "Adamm",
+            "Fix: remove training.opt_type and set optimizer.type to one of 'Adam', 'AdamW', 'LKF', 'AdaMuon', "
+            "'HybridMuon'",
+        ),
+    ],
+)
+def test_a_contradicting_opt_type_fix_never_offers_a_misspelled_optimizer(tmp_path, capsys, legacy, section, fix):
+    config = _example()
+    config["training"]["opt_type"] = legacy
+    config["optimizer"] = {"type": section}
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 1
+    err = capsys.readouterr().err
+    assert f"training.opt_type={legacy!r} contradicts optimizer.type={section!r}" in err
+    assert f"{fix}\n" in err, err
+    assert "(or " not in err
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        (
+            "opt_type",
+            "HybridMoun",
+            "[at location `training`] get invalid choice `HybridMoun` for flag key `opt_type`. Did you mean: "
+            "HybridMuon? (got 'HybridMoun')",
+        ),
+        ("momentum", "high", "[at location `training`] key `momentum` gets wrong value type, requires <float>"),
+    ],
+)
+def test_a_bad_legacy_key_is_named_as_the_input_has_it(tmp_path, capsys, key, value, expected):
+    config = _example(legacy=True)
+    config["training"][key] = value
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 1
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "`optimizer`" not in err and ".Did" not in err
+
+
 # ------------------------------------------------------------------ the real `dp`
 
 
@@ -361,6 +420,23 @@ def test_dp_check_is_dp_hybridmuon_check(inputs, capsys, backend, kind, table):
 
 
 @pytest.mark.slow
+def test_dp_train_with_a_bad_optimizer_value_ends_in_one_line_not_a_traceback(tmp_path):
+    config = _example()
+    config["optimizer"]["muon_mode"] = "3d"
+    proc = _run([DP, "--pt", "train", _write(tmp_path, config)], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: {tmp_path / 'input.json'}: [at location `optimizer`] key `muon_mode` gets bad value that fails to "
+        "pass its extra checking. expected one of '2d', 'flat', 'slice' (got '3d')"
+    )
+    config["optimizer"]["muon_mode"] = "slice"
+    config["model"]["descriptor"]["rcut"] = "far"  # not the optimizer's: deepmd-kit's own error, as before
+    proc = _run([DP, "--pt", "train", _write(tmp_path, config)], cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "key `rcut`" in proc.stderr
+
+
+@pytest.mark.slow
 def test_dp_check_invalid_input_exits_1_and_usage_error_exits_2(tmp_path):
     config = _example()
     config["optimizer"]["muon_mode"] = "3d"
@@ -393,9 +469,9 @@ def test_dp_help_version_and_other_commands_are_deepmds():
     for args in (["--version"], ["--pt", "train", "-h"], ["--pt", "freeze", "-h"], ["--pt", "train"]):
         ours, theirs = _run([DP, *args]), _run([DP, *args], disable=True)
         assert (ours.returncode, ours.stdout, ours.stderr) == (theirs.returncode, theirs.stdout, theirs.stderr), args
-    # with the plugin off, `dp` is deepmd's own: no check command
+    # with the plugin off, `dp` is deepmd's own: no check command, and it says why
     off = _run([DP, "check", "x.json"], disable=True)
-    assert off.returncode == 2 and "invalid choice: 'check'" in off.stderr
+    assert off.returncode == 2 and "deepmd-hybridmuon is off (DEEPMD_HYBRIDMUON_DISABLE=1" in off.stderr
 
 
 @pytest.mark.slow
@@ -463,6 +539,31 @@ def test_dp_main_of_another_shape_runs_unchanged(caplog, shape):
     assert calls == [["check", "input.json"]]
     expected = "has no main_parser()" if shape == "no main_parser" else "has no subparsers action 'command'"
     assert any(expected in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_dp_check_with_the_plugin_off_says_why_and_what_checks_anyway(monkeypatch, capsys):
+    import argparse
+
+    from deepmd_hybridmuon import plugin
+
+    def main_parser() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog="dp")
+        parser.add_subparsers(dest="command").add_parser("train")
+        return parser
+
+    module, calls = _other_deepmd_main(main_parser)
+    monkeypatch.setitem(sys.modules, plugin.DP_MAIN_MODULE, module)
+    monkeypatch.setenv(plugin.DISABLE_ENV, "1")
+    plugin.on_deepmd_backend()  # what every `dp` command runs first
+    with pytest.raises(SystemExit) as stop:
+        module.main(["check", "input.json"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "no `check` command: deepmd-hybridmuon is off (DEEPMD_HYBRIDMUON_DISABLE=1 in the environment)" in err
+    assert "`dp-hybridmuon check` and `python -m deepmd_hybridmuon check`" in err
+    module.main(["train", "input.json"])
+    module.main([])  # `dp` alone: deepmd's own help, without check
+    assert calls == [["train", "input.json"], []]
 
 
 def test_add_dp_check_is_idempotent_and_leaves_other_module_classes_alone(caplog):
@@ -580,7 +681,7 @@ HOSTILE = [
     ("deep_100", 1, f"nests objects and lists more than {MAX_DEPTH} levels deep"),
     ("alias_bomb", 1, f"holds more than {MAX_VALUES:,} values (a value repeated through YAML aliases counts once"),
     ("long_unknown_value", 1, f"undefined key `zzz` is not allowed in strict mode.  (got '{'y' * ECHO_CHARS}'..."),
-    ("long_unknown_key", 1, f"undefined key `{'k' * ECHO_CHARS}...` is not allowed in strict mode."),
+    ("long_unknown_key", 1, f"has a key '{'k' * ECHO_CHARS}'... (100,000 characters): keys are names of at most"),
     ("multi_task", 0, "routing (muon_mode='slice') of each branch (model_dict key):\n  one: "),
     (
         "multi_task_unknown_shared_item",
@@ -605,6 +706,25 @@ HOSTILE = [
         "undefined key `momentum`",
     ),
 ]
+
+
+def test_a_30_mb_key_costs_about_its_own_size_in_memory(tmp_path, capsys):
+    """dargs' "Did you mean" for an unknown key built difflib's index of every character of it (1.1 GB here)."""
+    import tracemalloc
+
+    main(["check", "--no-routing", str(EXAMPLES / "input.json")])  # deepmd's imports and schema, before measuring
+    config = _example()
+    config["optimizer"]["k" * 30_000_000] = 1
+    path = _write(tmp_path, config)
+    tracemalloc.start()
+    try:
+        assert main(["check", "--no-routing", path]) == 1
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert f"has a key '{'k' * ECHO_CHARS}'... (30,000,000 characters)" in capsys.readouterr().err
+    # the text read and the key parsed from it are 30 MB each: allow 4 such copies, 1.1 GB before
+    assert peak < 4 * 30e6, f"{peak / 1e6:.0f} MB"
 
 
 @pytest.mark.parametrize(("kind", "status", "expected"), HOSTILE, ids=[row[0] for row in HOSTILE])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -33,3 +35,28 @@ def test_the_readme_figures_are_the_results():
     readme = " ".join((ROOT / "README.md").read_text().split())  # a claim may wrap across lines
     for claim in benchmarks_doc.readme_claims():
         assert claim in readme, claim
+
+
+def test_the_benchmark_inputs_and_their_data_ship_with_the_repository():
+    import common
+
+    assert common.DEFAULT_CONFIG_DIR.is_relative_to(ROOT)
+    for name in benchmarks_doc.MODEL:
+        config = json.loads((common.DEFAULT_CONFIG_DIR / f"{name}.json").read_text())
+        for key in ("training_data", "validation_data"):
+            for system in config["training"][key]["systems"]:
+                assert not Path(system).is_absolute(), (name, system)
+                assert (common.DEFAULT_CONFIG_DIR / system / "type.raw").is_file(), (name, system)
+
+
+def test_no_file_names_a_path_outside_the_repository():
+    outside = re.compile(r"(?<![\w.$])/(work|root|home|opt|tmp)/|\.\./shared")
+    beside = re.compile(r"parents\[2\]")  # from tests/ or benchmarks/: the folder above the repository
+    files = [ROOT / n for n in ("README.md", "BENCHMARKS.md", "pyproject.toml")]
+    for folder in ("benchmarks", "deepmd_hybridmuon", "examples", "tests", ".ci"):
+        files += [p for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix not in (".npy", ".png", ".pyc")]
+    for path in files:
+        text = path.read_text(errors="replace")
+        assert not outside.search(text), (path, outside.search(text).group(0))
+        if path.parent.name in ("tests", "benchmarks"):
+            assert not beside.search(text), path

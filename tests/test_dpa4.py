@@ -1,7 +1,7 @@
 """DPA-4 (deepmd-kit's ``"type": "dpa4"`` models) with our optimizer.
 
 Every DPA-4 example of deepmd-kit trains with HybridMuon. Here a shrunk copy of the upstream
-water example (``examples/water/dpa4/input.json``; ``../shared/configs/dpa4_water.json``)
+water example (deepmd-kit's ``examples/water/dpa4/input.json``, here ``examples/water/dpa4_water.json``)
 trains and restarts with ``dp --pt train`` and ``dp --pt-expt train``, keeping its loss
 (``loss_func: mae``), its wsd learning rate, EMA and ``zero_stage: 1`` (which deepmd ignores in
 a single process; ZeRO-1 itself is tested in test_distributed.py); and our routing of its

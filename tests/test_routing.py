@@ -68,8 +68,8 @@ def test_routing_matches_builtin_on_real_models(model: str) -> None:
             seen[route] |= names
     # The comparison is only meaningful if the model exercises the routes. deepmd-kit's
     # se_e2_a / DPA-2 / DPA-3 create only rank <= 2 parameters without adam_/adamw_
-    # names, so their AdamW route is empty in every mode (the full-size configs in
-    # /work/shared/configs likewise); test_routing_matches_builtin_on_synthetic_names
+    # names, so their AdamW route is empty in every mode (the full-size inputs in
+    # examples/water likewise); test_routing_matches_builtin_on_synthetic_names
     # covers AdamW and rank >= 3 views.
     assert seen["muon"], "no Muon parameter"
     assert seen["adam"], "no Adam parameter"
