@@ -51,7 +51,10 @@ def load(name: str) -> dict[str, Any]:
 def source(name: str) -> dict[str, str]:
     """Machine, date, commit and command of a results file: provenance.json's, else the file's own fields."""
     data = load(name)
-    own = {k: data[k] for k in ("machine", "date", "commit", "command") if isinstance(data.get(k), str)}
+    env = data.get("environment", {})  # step_time.py's files
+    own = {"date": data.get("date_utc", env.get("date_utc")), "command": data.get("command", env.get("command"))}
+    own = {k: v for k, v in own.items() if isinstance(v, str)}
+    own.update({k: data[k] for k in ("machine", "date", "commit", "command") if isinstance(data.get(k), str)})
     return {**own, **load("provenance.json").get(name, {})}
 
 
@@ -325,6 +328,73 @@ def step_spread() -> str:
     return table(head, spread) + "\n\n" + sources(STEP_RUNS)
 
 
+# ------------------------------------------------------------------------------- CPU
+
+#: The CPU runs: ``cpu_step_<inputs>_t<threads>_r<round>_<date>.json`` and ``cpu_train_<model>_t<threads>_r<round>_...``.
+CPU_NAME = re.compile(r"cpu_(step|train)_(.+)_t(\d+)_r(\d+)_[\d-]+\.json")
+CPU_MODELS = {**MODEL, "input": "the bundled example", "example": "the bundled example"}
+
+
+def _cpu_runs(kind: str) -> dict[tuple[str, int], list[tuple[str, dict[str, float]]]]:
+    """(model, threads) -> [(file, variant -> median step ms or s/batch)] of every round, in file order."""
+    runs: dict[tuple[str, int], list[tuple[str, dict[str, float]]]] = {}
+    for path in sorted(RESULTS.glob(f"cpu_{kind}_*.json")):
+        match = CPU_NAME.fullmatch(path.name)
+        if not match:
+            continue
+        threads, data = int(match.group(3)), load(path.name)
+        if kind == "step":
+            for config in data["configs"]:
+                runs.setdefault((config, threads), []).append((path.name, step_medians(path.name, config)))
+        else:
+            values = {r["variant"]: r["average_s_per_batch"] for r in data["results"] if r.get("average_s_per_batch")}
+            runs.setdefault((match.group(2), threads), []).append((path.name, values))
+    return runs
+
+
+def _cpu_table(kind: str, unit: str, digits: int) -> str:
+    rows, names = [], []
+    for (model, threads), rounds in _cpu_runs(kind).items():
+        names += [name for name, _ in rounds]
+        cells = {v: [r[v] for _, r in rounds if v in r] for v in ("ours", "builtin", "adamw")}
+        avg = {v: mean(xs) if xs else None for v, xs in cells.items()}
+        rows.append(
+            [
+                CPU_MODELS[model],
+                str(threads),
+                *(" / ".join(f"{x:.{digits}f}" for x in cells[v]) or "not run" for v in ("ours", "builtin", "adamw")),
+                ratio(avg["ours"], avg["builtin"]),
+                ratio(avg["ours"], avg["adamw"]),
+            ]
+        )
+    head = ["model", "threads", f"ours {unit} (each round)", "built-in", "AdamW", VS_BUILTIN, VS_ADAMW]
+    return table(head, rows, right=2) + "\n\n" + sources(sorted(set(names)))
+
+
+def cpu_step() -> str:
+    return _cpu_table("step", "median ms", 1)
+
+
+def cpu_train() -> str:
+    return _cpu_table("train", "s/batch", 3)
+
+
+#: The GPU step before and after the current CPU work, alternating in one call: (3f98130, then) pairs of rounds.
+STEP_BEFORE_AFTER = [f"step_time_h100_2026-11-27_{k}_r{r}.json" for r in (1, 2) for k in ("before", "after")]
+
+
+def step_before_after() -> str:
+    rows = []
+    for config in load(STEP_BEFORE_AFTER[0])["configs"]:
+        cells = []
+        for name in STEP_BEFORE_AFTER:
+            med = step_medians(name, config)
+            cells.append(f"{_ms(med['ours'])} ({ratio(med['ours'], med['adamw'])})")
+        rows.append([MODEL[config], *cells])
+    head = ["model", *(f"{commit(n)}, round {n[-6]}: ms (ours: {TIMES} AdamW's time)" for n in STEP_BEFORE_AFTER)]
+    return table(head, rows) + "\n\n" + sources(STEP_BEFORE_AFTER)
+
+
 # ------------------------------------------------------------------------------- cold start
 
 COLD = [
@@ -452,6 +522,9 @@ BLOCKS = {
     "step-alone": step_alone,
     "step-spread": step_spread,
     "cold-start": cold_start,
+    "cpu-step": cpu_step,
+    "cpu-train": cpu_train,
+    "step-before-after": step_before_after,
     "design-graph": design_graph,
     "design-side-streams": design_side_streams,
     "design-ddp-split": design_ddp_split,

@@ -25,7 +25,15 @@ from . import functional as F
 from .engine import GroupEngine, compilation
 from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS, option_doc
 from .state import check_sizes, check_state_dict, with_defaults
-from .validation import REMOVED_KEYS, check_gradients, check_option, check_parameters, check_removed, validate_group
+from .validation import (
+    REMOVED_KEYS,
+    check_gradients,
+    check_option,
+    check_parameters,
+    check_removed,
+    revalidate,
+    validate_group,
+)
 
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
 log = logging.getLogger("deepmd.hybridmuon")
@@ -483,20 +491,12 @@ class HybridMuonOptimizer(Optimizer):
         return loss
 
     def _check_values(self) -> None:
-        """Validate each group's values as the constructor does, when they changed since the last step.
-
-        A scheduler or a user may write any value into a param_group between steps. A value is
-        compared by identity where it is a tensor (reading a GPU tensor would make the host wait).
-        """
+        """Validate what changed in each group since the last step, as the constructor does (:func:`.revalidate`)."""
         for index, group in enumerate(self.param_groups):
-            values = tuple(id(v) if isinstance(v, torch.Tensor) else v for v in map(group.get, GROUP_KEYS))
-            if self._checked.get(index) == values:
-                continue
             try:
-                validate_group(group)
+                self._checked[index] = revalidate(group, self._checked.get(index))
             except ValueError as err:
                 raise ValueError(f"{err} (in param_groups[{index}] at step(); nothing was changed)") from None
-            self._checked[index] = values
 
     def _step_all(self) -> None:
         shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None

@@ -23,6 +23,7 @@ MISNAMED_KEYS: dict[str, str] = {
     **{alias: option.name for option in OPTIONS for alias in option.alias},
     **{option.name: "muon_mode" for option in OPTIONS if option.scope == "legacy"},
 }
+_GROUP_KEY_SET = frozenset(GROUP_KEYS)
 #: Options that were removed, and what to do instead. The constructor, ``add_param_group`` and
 #: the schema (``dp check``, ``dp train``) refuse each by name with this text.
 REMOVED_KEYS: dict[str, str] = {option.name: option.doc for option in OPTIONS if option.scope == "removed"}
@@ -93,6 +94,30 @@ def validate_group(group: dict[str, Any]) -> None:
         check_option(OPTION[key], group[key])
         if OPTION[key].choices:
             group[key] = group[key].lower()
+
+
+def revalidate(group: dict[str, Any], before: tuple | None) -> tuple:
+    """Check what changed in ``group`` since the snapshot ``before`` (all of it when ``None``); the new snapshot.
+
+    :meth:`HybridMuonOptimizer.step` calls it for every group and step: what a scheduler writes each
+    step (the learning rate) costs one number's check. Another tensor counts as a change without
+    being compared (reading a GPU tensor would make the host wait); another set of keys checks the
+    whole group again.
+    """
+    values = tuple(map(group.get, GROUP_KEYS))
+    others = group.keys() - _GROUP_KEY_SET
+    if before is None or before[1] != others:
+        validate_group(group)
+        return values, others
+    for key, old, new in zip(GROUP_KEYS, before[0], values, strict=True):
+        # a checked value is never NaN, so a NaN always differs
+        if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor) or old != new):
+            if key not in group:
+                validate_group(group)  # says which key is missing
+            check_option(OPTION[key], new)
+            if OPTION[key].choices:
+                group[key] = new.lower()
+    return values, others
 
 
 def misread_keys(group: dict[str, Any]) -> list[str]:
