@@ -330,7 +330,7 @@ def step_spread() -> str:
 
 # ------------------------------------------------------------------------------- CPU
 
-#: The CPU runs: ``cpu_step_<inputs>_t<threads>_r<round>_<date>.json`` and ``cpu_train_<model>_t<threads>_r<round>_...``.
+#: The CPU runs: ``cpu_step_<inputs>_t<threads>_r<round>_<date>.json``, ``cpu_train_<model>_t<threads>_r<round>_...``.
 CPU_NAME = re.compile(r"cpu_(step|train)_(.+)_t(\d+)_r(\d+)_[\d-]+\.json")
 CPU_MODELS = {**MODEL, "input": "the bundled example", "example": "the bundled example"}
 
@@ -377,6 +377,41 @@ def cpu_step() -> str:
 
 def cpu_train() -> str:
     return _cpu_table("train", "s/batch", 3)
+
+
+#: Learning curves of se_e2_a water (GPU runs: the steps to an accuracy do not depend on the device).
+CPU_QUALITY = "quality_se_e2_a_water_adam3_h200_2026-11-27.json"
+
+
+def cpu_time_to_accuracy_rows() -> list[tuple[str, float, float, float, float]]:
+    """(label, start_lr, steps to AdamW's final val force error, CPU s/batch at 2 threads, CPU s) of ours and AdamW."""
+    runs, force, _kind, (adam_label, target, _n) = _quality(CPU_QUALITY)
+    speed = {v: mean([r[v] for _, r in _cpu_runs("train")[("se_e2_a_water", 2)]]) for v in ("ours", "adamw")}
+    rows = []
+    for optimizer, variant in (("ours", "ours"), ("adam", "adamw")):
+        label, rs = _best(runs, force, optimizer)
+        steps = [quality.steps_to(r["lcurve"], force, target) for r in rs]
+        n = rs[0]["steps"] if label == adam_label else mean([k for k in steps if k is not None])
+        rows.append((label, rs[0]["start_lr"], n, speed[variant], n * speed[variant]))
+    return rows
+
+
+def cpu_time_to_accuracy() -> str:
+    _runs, _force, kind, (label, target, _n) = _quality(CPU_QUALITY)
+    rows = [
+        [lb, f"{lr:g}", f"{n:.0f}", f"{spb:.3f}", f"{secs:.0f}"] for lb, lr, n, spb, secs in cpu_time_to_accuracy_rows()
+    ]
+    (_, _, _, _, ours), (_, _, _, _, adamw) = cpu_time_to_accuracy_rows()
+    head = [
+        "optimizer",
+        "start_lr",
+        f"steps to {target * 1e3:.1f} meV/Å ({kind}, {label}'s final)",
+        "CPU s/batch",
+        "CPU s",
+    ]
+    names = [CPU_QUALITY, *sorted({n for n, _ in _cpu_runs("train")[("se_e2_a_water", 2)]})]
+    note = f"ours: {ratio(ours, adamw)} AdamW's time to its final error"
+    return table(head, rows, right=1) + "\n\n" + note + "\n\n" + sources(names)
 
 
 #: The GPU step before and after the current CPU work, alternating in one call: (3f98130, then) pairs of rounds.
@@ -524,6 +559,7 @@ BLOCKS = {
     "cold-start": cold_start,
     "cpu-step": cpu_step,
     "cpu-train": cpu_train,
+    "cpu-time-to-accuracy": cpu_time_to_accuracy,
     "step-before-after": step_before_after,
     "design-graph": design_graph,
     "design-side-streams": design_side_streams,
@@ -554,7 +590,14 @@ def readme_claims() -> list[str]:
     vs_builtin = [r["ours"][0] / r["builtin"][0] for r in (d3, *d4)]
     dpa3 = step_medians(STEP, "dpa3_water")
     ours3, builtin3 = dpa3["ours"], dpa3["builtin"]
+    cpu = [
+        mean([r["ours"] for _, r in rounds]) / mean([r["builtin"] for _, r in rounds])
+        for rounds in _cpu_runs("step").values()
+    ]
+    (*_, ours_s), (*_, adamw_s) = cpu_time_to_accuracy_rows()
     return [
+        f"{min(cpu):.2f}{DASH}{max(cpu):.2f}{TIMES} the built-in's time",
+        f"{ours_s / adamw_s:.2f}{TIMES} AdamW's time",
         f"{min(vs_adamw):.2f}{DASH}{max(vs_adamw):.2f}{TIMES} AdamW's s/batch",
         f"{min(vs_builtin):.2f}{DASH}{max(vs_builtin):.2f}{TIMES} the time of deepmd-kit's built-in HybridMuon",
         f"{ours3:.2f} ms against the built-in's {builtin3:.0f} ms",

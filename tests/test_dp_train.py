@@ -177,3 +177,26 @@ def test_restart_from_another_optimizers_checkpoint_starts_the_optimizer_afresh(
     assert _lcurve(run_dir / "lcurve.out")[-1, 0] == 20
     ckpt = torch.load(run_dir / "model.ckpt-20.pt", map_location="cpu", weights_only=False)
     assert ("hybridmuon" in ckpt["optimizer"]) == (then == "HybridMuon")
+
+
+def test_a_checkpoint_without_a_later_option_resumes_with_its_state(workdir, first_run):
+    """A checkpoint written before an option existed (its param_groups lack the key) restarts with its optimizer
+    state: the option takes its default, and the run continues exactly as from the complete checkpoint."""
+    run_dir, _ = first_run
+    finals = {}
+    for name, strip in (("complete", ()), ("older_writer", ("magma_muon", "enable_gram"))):
+        restart_dir = workdir / f"restart_{name}"
+        shutil.copytree(run_dir, restart_dir)
+        ckpt = torch.load(restart_dir / "model.ckpt-60.pt", map_location="cpu", weights_only=False)
+        for group in ckpt["optimizer"]["param_groups"]:
+            for key in strip:
+                del group[key]  # the defaults (True) are what the first run used
+        torch.save(ckpt, restart_dir / "model.ckpt-60.pt")
+        (restart_dir / "input.json").write_text(json.dumps(_input(workdir, 62)))
+        log = _dp(["--pt", "train", "input.json", "--restart", "model.ckpt-60.pt"], restart_dir)
+        assert "optimizer starts with fresh state" not in log, log[-3000:]
+        saved = torch.load(restart_dir / "model.ckpt-62.pt", map_location="cpu", weights_only=False)["optimizer"]
+        finals[name] = [entry["momentum_buffer"] for entry in saved["state"].values() if "momentum_buffer" in entry]
+    assert finals["complete"] and len(finals["complete"]) == len(finals["older_writer"])
+    for a, b in zip(finals["complete"], finals["older_writer"], strict=True):
+        assert torch.equal(a, b)  # the same state, data and arithmetic: bit for bit
