@@ -644,8 +644,7 @@ class HybridMuonOptimizer(Optimizer):
         ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
         kernels are compiled), ``cuda_graph`` (steps replay a captured graph), and the paths of
         the Muon matrices: ``program_matrices`` (one Triton program each), ``panelled`` (some
-        streamed in panels), ``phased`` ((use_gram, padded shape) of each phased Triton
-        launch) and ``torch_matrices`` ((rows, cols) of each parameter on the torch path).
+        streamed in panels) and ``torch_matrices`` ((rows, cols) of each parameter on the torch path).
         """
         rows = []
         for index, group in enumerate(self.param_groups):

@@ -157,9 +157,8 @@ OPTIONS: tuple[Option, ...] = (
         (bool,),
         True,
         "Triton kernels on CUDA: one launch orthogonalises every Muon matrix whose smaller side is at "
-        "most 128 (in registers, or streamed for long matrices), one persistent launch per shape those with "
-        "a smaller side up to 256 (tiled products with grid-wide barriers), one more computes Magma for all "
-        "blocks; "
+        "most 128 (in registers, or streamed for long matrices; larger ones take batched cuBLAS), one more "
+        "computes Magma for all blocks; "
         "three more copy the gradients in (checking them for NaN/inf), update the momentum, and write "
         "every parameter's update. "
         "They compile in the background on first use (the torch path runs meanwhile) and are cached by "

@@ -21,7 +21,7 @@ import torch
 K = pytest.importorskip("deepmd_hybridmuon.kernels")  # imports triton
 
 GPU = torch.device("cuda", 0)  # only named: nothing here touches a GPU
-PATHS = [(True, 64, 512), (False, 240, 240)]
+PATHS = [(True, 64, 512), (False, 32, 48)]
 
 # The interpreter exits while a stand-in compile process is running: one that sleeps (ends on
 # SIGTERM) and one that ignores SIGTERM (killed after the registry's grace period).
@@ -90,7 +90,7 @@ def test_the_real_worker_reports_each_variant_and_the_engine_keeps_the_torch_pat
         assert pending is not None and not pending.is_set()  # a child process compiles
         assert pending.wait(300), "the compile process did not finish"
     failures = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
-    # one line per variant: standard phased (240 x 240), Gram panel (64 x 512), spans, Magma
+    # one line per variant: standard program (32 x 48), Gram panel (64 x 512), spans, Magma
     assert len(failures) == 4, failures
     assert all("torch kernels instead" in line for line in failures)
     caplog.clear()
@@ -120,7 +120,7 @@ def test_variants_in_flight_are_not_compiled_twice(monkeypatch, tmp_path):
         second = K.prepare(GPU, torch.float32, PATHS, magma=True)  # another param_group, same variants
         assert first is not None and second is not None
         assert len(registry.workers) == started
-        # four variants (standard phased, Gram panel, spans, Magma), each compiled by one process
+        # four variants (standard program, Gram panel, spans, Magma), each compiled by one process
         compiling = [repr(key) for w in registry.workers for key in w.keys]
         assert len(compiling) == len(set(compiling)) == 4
         assert not K.wait_ready(0)
@@ -149,7 +149,7 @@ def test_compiled_variants_load_one_per_step_and_a_later_run_needs_no_compile_pr
     for worker in first.workers:
         worker.process.wait(60)
     first.setup.join()  # Triton's set-up: no variant loads before it is done (off this thread)
-    seen = [(pending.is_set(), len(loaded)) for _ in range(4)]  # standard phased, Gram panel, spans, Magma
+    seen = [(pending.is_set(), len(loaded)) for _ in range(4)]  # standard program, Gram panel, spans, Magma
     assert seen == [(False, 1), (False, 2), (False, 3), (True, 4)]
     # A later run with the same cache: no compile process (its stand-in would leave the
     # marker file); the variants load the same way, one per poll, from the first step on.
@@ -194,7 +194,6 @@ KINDS = [
     ("magma", 0, torch.float32),
     (*K.compile._launch_key(False, 32, 48), 0, torch.float32),  # one program per matrix
     (*K.compile._launch_key(True, 64, 4096), 0, torch.float32),  # Gram panels
-    (*K.compile._launch_key(False, 240, 240), 0, torch.float32),  # phased
 ]
 
 
@@ -368,9 +367,9 @@ def test_a_kernels_cache_key_does_not_depend_on_the_order_of_launches():
         (True, 128, 128, "program"),  # resident: 128 x 128 in registers
         (False, 64, 2048, "program"),  # the standard iteration streams a long matrix
         (True, 64, 2048, "panel"),  # the Gram iteration splits it into column panels
-        (True, 129, 129, "phased"),
-        (False, 256, 1600, "phased"),
-        (True, 257, 300, None),  # the torch path
+        (True, 129, 129, None),  # the torch path, for every smaller side above 128
+        (False, 256, 1600, None),
+        (True, 257, 300, None),
     ],
 )
 def test_each_matrix_has_one_path_for_the_layout_and_the_registry(use_gram, rows, cols, path):
@@ -378,8 +377,8 @@ def test_each_matrix_has_one_path_for_the_layout_and_the_registry(use_gram, rows
     from deepmd_hybridmuon.engine.layout import assign
 
     assert K.launch_path(use_gram, rows, cols) == path
-    fused, phased, buckets = assign([(1, rows, cols)], K, use_gram, torch.device("cpu"))
-    assert (len(fused), len(phased), len(buckets)) == (path in ("program", "panel"), path == "phased", path is None)
+    fused, buckets = assign([(1, rows, cols)], K, use_gram, torch.device("cpu"))
+    assert (len(fused), len(buckets)) == (path is not None, path is None)
     if path is None:
         with pytest.raises(ValueError, match="torch path"):
             K.compile._launch_key(use_gram, rows, cols)

@@ -83,52 +83,6 @@ def test_panel_kernels_match_the_reference(kernels):
         assert err < KERNEL_MUON_TOL, (STREAMED[i], err)
 
 
-# Matrices of the phased path, groups of one padded shape each: smaller sides spanning several
-# 64-row tiles, not multiples of 64; wide and tall (padded 128 x 192); square ones (128 x 128,
-# the standard iteration) and short ones (64 x 128, the Gram iteration). Small sizes: the
-# interpreter is slow.
-PHASED = {False: [(70, 150), (150, 70), (100, 140)], True: [(70, 150), (150, 70), (100, 140)]}
-PHASED_SHORT = {False: [(72, 72), (100, 100)], True: [(20, 100), (100, 33)]}
-
-
-@pytest.mark.parametrize("use_gram", [False, True], ids=["standard", "gram"])
-@pytest.mark.parametrize("short", [False, True], ids=["rectangular", "square-or-short"])
-def test_phased_kernel_matches_the_reference(kernels, use_gram, short):
-    """One persistent launch with grid barriers (GPU), or one launch per phase (interpreter)."""
-    K, device = kernels
-    schedule = K.phased_schedule(use_gram)
-    for row in schedule:  # no product writes a slot it reads
-        if row[0] == 2:
-            assert row[1] not in (row[2], row[3], row[5] if row[6] else None), row
-    gen = torch.Generator().manual_seed(3)
-    shapes = (PHASED_SHORT if short else PHASED)[use_gram]
-    mats = [torch.randn(s, generator=gen, dtype=torch.float64).to(device) for s in shapes]
-    matrices, offset = [], 0
-    for block, (rows, cols) in enumerate(shapes):
-        small, large = min(rows, cols), max(rows, cols)
-        matrices.append((offset, small, large, *((1, small) if rows > cols else (large, 1)), block))
-        offset += rows * cols
-    shape = (K.padded(max(m for _, m, _, _, _, _ in matrices)), K.padded(max(n for _, _, n, _, _, _ in matrices)))
-    assert all((K.padded(m), K.padded(n)) == shape for _, m, n, _, _, _ in matrices)
-    meta, size = matrices, K.phased_workspace(matrices, use_gram)
-    src = torch.cat([m.reshape(-1) for m in mats])
-    dst = torch.full_like(src, float("nan"))
-    work = torch.zeros(size, dtype=K.work_dtype(use_gram), device=device)
-    tiles = len(meta) * K.phased_tiles(*shape)
-    partial = torch.zeros(tiles, 2, dtype=torch.float64, device=device)
-    args = (torch.tensor(meta, dtype=torch.int64, device=device), shape, partial)
-    coefs, factor = K.coefficient_table(use_gram, device), torch.arange(1.0, len(shapes) + 1.0, device=device)
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
-    for first, stop in ((0, len(schedule) - 1), (len(schedule) - 1, len(schedule))):  # as the engine runs it
-        K.orthogonalize_phased(src, dst, work, *args, coefs, factor, counter, 5, use_gram, first=first, stop=stop)
-    for i, (g, out) in enumerate(zip(mats, dst.split([m.numel() for m in mats]), strict=True)):
-        ref = F.orthogonalize(g[None], use_gram)[0].double() * (i + 1)
-        err = ((out.view_as(g) - ref).norm() / ref.norm()).item()
-        # Same bound and reason as the Newton-Schulz kernel test (each product rounded to
-        # 8 or 11 bits, in another summation order than cuBLAS).
-        assert err < KERNEL_MUON_TOL, (shapes[i], err)
-
-
 def _changed_schedules(monkeypatch):
     """Schedules unlike HybridMuon's, changed in ``functional`` only.
 
@@ -144,7 +98,6 @@ def _changed_schedules(monkeypatch):
 def test_kernel_schedules_are_the_functional_tables(monkeypatch):
     """The kernels' schedule constants are derived from ``functional``'s tables, not written again."""
     K = pytest.importorskip("deepmd_hybridmuon.kernels")
-    kind, out, it = K.PhaseColumn.KIND, K.PhaseColumn.OUT, K.PhaseColumn.ITERATION
 
     def launches():
         return [(r["START"], r["STOP"], a["FROM_SOURCE"], a["FINAL"]) for r, a in K.panel_launches()]
@@ -153,20 +106,12 @@ def test_kernel_schedules_are_the_functional_tables(monkeypatch):
     # iterations, a restart before the third, ten standard iterations)
     assert K.gram_constants() == {"RESTARTS": (0, 0, 1, 0, 0), "FRESH_Q": (1, 0, 1, 0, 0), "UPDATES_R": (1, 0, 1, 1, 0)}
     assert launches() == [(0, 2, True, False), (2, 5, False, True)]
-    assert (K.phase_count(False), K.phase_count(True)) == (2 + 3 * 10, 20)
 
     _changed_schedules(monkeypatch)
     assert K.gram_constants() == {"RESTARTS": (0, 1, 0, 1), "FRESH_Q": (1, 1, 0, 1), "UPDATES_R": (0, 1, 0, 0)}
     assert launches() == [(0, 1, True, False), (1, 3, False, False), (3, 4, False, True)]
     assert torch.equal(K.coefficient_table(False, "cpu"), torch.tensor([F.NS_FAST_COEFFS] * 3))
     assert torch.equal(K.coefficient_table(True, "cpu"), torch.tensor(F.POLAR_EXPRESS_COEFFS))
-    standard, gram = K.phased_schedule(False), K.phased_schedule(True)
-    assert len(standard) == 2 + 3 * 3 and standard[-1][out] == K.DST
-    products = [row for row in gram if row[kind] == K.PhaseKind.PRODUCT]
-    assert {row[it] for row in products} == {0, 1, 2, 3} and gram[-1][out] == K.DST
-    assert [row[it] for row in products if row[out] in (0, 1)] == [1, 3]  # X <- Q X: once per restart
-    for row in products:  # no product writes a slot it reads
-        assert row[out] not in (row[2], row[3], row[5] if row[6] else None), row
 
 
 def test_kernels_follow_a_changed_schedule(kernels, monkeypatch):
@@ -177,14 +122,12 @@ def test_kernels_follow_a_changed_schedule(kernels, monkeypatch):
         ("blocks", False): SHAPES[:2],
         ("blocks", True): SHAPES[:2],
         ("panels", True): [(17, 130), (40, 70)],
-        ("phased", False): PHASED_SHORT[False],
-        ("phased", True): PHASED_SHORT[True],
     }
     mats = {key: [torch.randn(s, generator=gen).to(device) for s in shapes] for key, shapes in cases.items()}
     default = {key: [F.orthogonalize(g[None], key[1])[0].float() for g in ms] for key, ms in mats.items()}
     _changed_schedules(monkeypatch)
     for (path, use_gram), ms in mats.items():
-        outs = {"blocks": _run_blocks, "panels": _run_panels, "phased": _run_phased}[path](K, device, ms, use_gram)
+        outs = {"blocks": _run_blocks, "panels": _run_panels}[path](K, device, ms, use_gram)
         for g, out, before in zip(ms, outs, default[path, use_gram], strict=True):
             ref = F.orthogonalize(g[None], use_gram)[0].float()
             err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -236,37 +179,11 @@ def _run_panels(K, device, mats, use_gram, factor=None):
     return [out.view_as(m) for m, out in zip(mats, dst.split([m.numel() for m in mats]), strict=True)]
 
 
-def _run_phased(K, device, mats, use_gram):
-    """``kernels.orthogonalize_phased`` on ``mats`` (one padded shape, factor 1), in the engine's two launches."""
-    matrices, offset = [], 0
-    for block, m in enumerate(mats):
-        rows, cols = m.shape
-        small, large = min(rows, cols), max(rows, cols)
-        matrices.append((offset, small, large, *((1, small) if rows > cols else (large, 1)), block))
-        offset += rows * cols
-    shape = (K.padded(max(m for _, m, *_ in matrices)), K.padded(max(n for _, _, n, *_ in matrices)))
-    src = torch.cat([m.reshape(-1) for m in mats])
-    dst = torch.full_like(src, float("nan"))
-    work = torch.zeros(K.phased_workspace(matrices, use_gram), dtype=K.work_dtype(use_gram), device=device)
-    partial = torch.zeros(len(matrices) * K.phased_tiles(*shape), 2, dtype=torch.float64, device=device)
-    table = torch.tensor(matrices, dtype=torch.int64, device=device)
-    coefs, factor = K.coefficient_table(use_gram, device), torch.ones(len(mats), device=device)
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
-    n = K.phase_count(use_gram)
-    for first, stop in ((0, n - 1), (n - 1, n)):
-        K.orthogonalize_phased(
-            src, dst, work, table, shape, partial, coefs, factor, counter, 5, use_gram, first=first, stop=stop
-        )
-    return [out.view_as(m) for m, out in zip(mats, dst.split([m.numel() for m in mats]), strict=True)]
-
-
 SCALE_CASES = {  # the runner, use_gram and the shapes of every Newton-Schulz kernel branch
     "resident": (_run_blocks, False, SHAPES),
     "resident-gram": (_run_blocks, True, SHAPES),
     "streamed": (_run_blocks, False, STREAMED),
     "panels": (_run_panels, True, [(17, 130), (40, 70)]),
-    "phased": (_run_phased, False, PHASED_SHORT[False]),
-    "phased-gram": (_run_phased, True, PHASED_SHORT[True]),
 }
 
 
@@ -381,7 +298,7 @@ def test_gather_and_apply_match_torch_bitwise(kernels, dtype):
 
 def _host_kernels(K):
     """The kernels the package launches from the host (``_*_kernel`` in the kernel modules)."""
-    modules = [K.spans, K.magma, K.newton_schulz, K.panel, K.phased]
+    modules = [K.spans, K.magma, K.newton_schulz, K.panel]
     return {getattr(m, n) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")}
 
 
@@ -390,7 +307,7 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
 
     An unaligned one would not be wrong, but a variant the compile process never built: a
     compile in the training process. One engine step over every path (one program per
-    matrix, panels, phased tiles, Magma, the span kernels) records each launch's arguments.
+    matrix, panels, the torch path, Magma, the span kernels) records each launch's arguments.
     """
     import inspect
 
@@ -410,7 +327,7 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
 
         monkeypatch.setattr(kernel, "run", checked)
     gen = torch.Generator().manual_seed(0)
-    # one program per matrix, a panelled long matrix, a phased one, Adam parameters at odd lengths
+    # one program per matrix, a panelled long matrix, one of the torch path, Adam parameters at odd lengths
     shapes = [(32, 48), (16, 2048), (136, 140), (7,), (5, 3)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
     opt = HybridMuonOptimizer(params, lr=1e-3, magma_muon=True)
@@ -451,9 +368,9 @@ def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_th
     if dtype == torch.bfloat16 and device.type == "cpu":
         pytest.skip("bfloat16 vectors: on a GPU only (the interpreter computes them wrongly, NumPy has no bfloat16)")
     gen = torch.Generator().manual_seed(0)
-    # one program per matrix, a panelled long matrix, a phased one; the Adam vector gets a small gradient
+    # one program per matrix, a panelled long matrix, one of the torch path; the Adam vector gets a small gradient
     shapes = [(32, 48), (16, 2048), (136, 140), (7,)]
-    assert [K.launch_path(True, min(s), max(s)) for s in shapes[:3]] == ["program", "panel", "phased"]
+    assert [K.launch_path(True, min(s), max(s)) for s in shapes[:3]] == ["program", "panel", None]
     init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     top = float(torch.finfo(dtype).max) if scale is None else scale
     grads = []
@@ -522,7 +439,7 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
     The declarations (``common.Launch``, ``compile._launches``) are what the compile process
     warms up; a launch with other argument dtypes would be a variant compiled in the training
     process. One engine step over matrices of every path (one program per matrix, Gram panels,
-    phased) with Magma and an Adam vector makes every kernel launch.
+    the torch path) with Magma and an Adam vector makes every kernel launch.
     """
     from conftest import make_optimizer
 
@@ -544,8 +461,8 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
 
     monkeypatch.setattr(K.common.Launch, "__call__", checked)
     gen = torch.Generator().manual_seed(0)
-    shapes = [(32, 48), (16, 1100), (136, 140), (7,)]  # program, panels (Gram), phased, Adam
-    assert [K.launch_path(True, *s) for s in shapes[:3]] == ["program", "panel", "phased"]
+    shapes = [(32, 48), (16, 1100), (136, 140), (7,)]  # program, panels (Gram), torch path, Adam
+    assert [K.launch_path(True, *s) for s in shapes[:3]] == ["program", "panel", None]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
     opt = make_optimizer(params, "engine-eager", lr=1e-3, enable_gram=True, magma_muon=True)
     for p in params:
@@ -554,13 +471,11 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
     assert opt.execution_table()[0]["kernels"] == "triton"
     assert launched == set(K.common.ALIGNED)
     # ... and each launch is one of those the compile process warms up for this group's variants
-    # (under the interpreter the phased group runs one phase per launch: no variant of its own).
     keys = [("spans", None, torch.float32), ("magma", None, torch.float32)]
-    keys += [(*K.compile._launch_key(True, *s), None, torch.float32) for s in shapes[:3]]
+    keys += [(*K.compile._launch_key(True, *s), None, torch.float32) for s in shapes[:2]]
     declared = {launch for key in keys for launch in K.compile._launches(key)}
     for launch in seen:
-        if CUDA or launch.kernel.fn.__name__ != "_phased_kernel":
-            assert launch in declared, launch
+        assert launch in declared, launch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -16,7 +16,7 @@ from .. import functional as F
 from .. import loop
 from ..dtensor import local_shard
 from ..engine import compilation
-from ..engine.layout import assign, build_fused, build_phased, run_fused, run_phased
+from ..engine.layout import assign, build_fused, run_fused
 from ..state import advance_adam_state, local_state, muon_state
 from .plan import Plan, _ShapeGroup
 
@@ -238,11 +238,10 @@ class OwnedKernels:
     An owned buffer (:func:`.plan._owned`'s layout) is a flat vector of whole matrices grouped
     by shape, which is what the kernels read: the engine's own grouping
     (``engine.layout.assign``) gives each matrix its row of a path's metadata table (offset,
-    sides, orientation, block), ``engine.layout.build_fused`` and ``build_phased`` build the
-    tables, and each launch writes ``factor * O`` of its matrices straight into the output
-    buffer: one program per matrix (``orthogonalize_blocks``, or ``orthogonalize_panels`` for
-    long Gram matrices) up to ``kernels.MAX_ROWS``, phased tiles up to
-    ``kernels.MAX_PHASED_ROWS``. Larger matrices keep the torch path, as do all of them until
+    sides, orientation, block), ``engine.layout.build_fused`` builds the tables, and each launch
+    writes ``factor * O`` of its matrices straight into the output buffer: one program per matrix
+    (``orthogonalize_blocks``, or ``orthogonalize_panels`` for long Gram matrices) up to
+    ``kernels.MAX_ROWS``. Larger matrices keep the torch path, as do all of them until
     Triton has compiled the variants in the background (``engine.compilation``), for good if one
     fails to compile, and for buffers of other dtypes than the ones asked for. Built lazily,
     for the dtype and ``use_gram`` of the first call.
@@ -252,7 +251,6 @@ class OwnedKernels:
         self.groups, self.device = groups, device
         self.key: tuple[torch.dtype, bool] | None = None
         self.fused: list[Any] = []  # engine.layout.Fused, with their device tables
-        self.phased: list[Any] = []  # engine.layout.Phased, likewise
         self.covered: set[int] = set()  # indices of the groups the launches orthogonalise
         self.pending: Any = None  # the compilation asked for (None: none, or one failed)
         self.ready = False
@@ -262,26 +260,23 @@ class OwnedKernels:
         self.ids = torch.cat([g.matrix_ids for g in groups]) if groups else None
 
     def _build(self, dtype: torch.dtype, use_gram: bool) -> None:
-        self.key, self.fused, self.phased, self.covered = (dtype, use_gram), [], [], set()
+        self.key, self.fused, self.covered = (dtype, use_gram), [], set()
         self.pending, self.ready = None, False
         if not self.groups or not compilation.triton_runs_on(self.device):
             return
         K = self.K = compilation.kernels()
-        self.fused, self.phased, _ = assign([(g.count, g.rows, g.cols) for g in self.groups], K, use_gram, self.device)
+        self.fused, _ = assign([(g.count, g.rows, g.cols) for g in self.groups], K, use_gram, self.device)
         for f in self.fused:
             build_fused(K, f, self.device)
-        for g in self.phased:  # one after another on one stream (the engine runs them side by side): all SMs each
-            build_phased(K, g, 1, self.device)
         # A group (one shape) lies on one path: it is covered when its first block is.
         taken = {row[int(K.MetaColumn.BLOCK)] for f in self.fused for row in f.meta}
-        taken |= {m[-1] for g in self.phased for m in g.matrices}
         first = [sum(g.count for g in self.groups[:i]) for i in range(len(self.groups))]
         self.covered = {i for i, block in enumerate(first) if block in taken}
         if self.covered:
             self.pending = compilation.request(self.device, dtype, self._paths(), False)
 
     def _paths(self) -> list[tuple[bool, int, int]]:
-        return [(f.use_gram, f.rows, f.cols) for f in self.fused] + [(g.use_gram, *g.shape) for g in self.phased]
+        return [(f.use_gram, f.rows, f.cols) for f in self.fused]
 
     def _poll(self) -> None:
         """Switch to the launches once their compilation is over and none of them failed."""
@@ -322,12 +317,8 @@ class OwnedKernels:
             ]
             self._scaling, self._scale = scaling, torch.cat(fills)
         factor = self._scale if damp is None else self._scale * damp[self.ids].to(torch.float32)
-        K = self.K
-        for g in self.phased:
-            run_phased(K, g, owned, out, factor, last=False)
-            run_phased(K, g, owned, out, factor, last=True)
         for f in self.fused:
-            run_fused(K, f, owned, out, factor)
+            run_fused(self.K, f, owned, out, factor)
         return self.covered
 
 

@@ -8,7 +8,7 @@ The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`)
 * Adam/AdamW: a few flat moment/denominator kernels into the update buffer;
 * Muon: momentum and Nesterov update (one kernel with Triton), then per matrix a factor
   (Muon scale x Magma x -lr) and the orthogonalised update times that factor: the
-  layout's Triton launches, phased groups, and zero-padded torch stacks (zero padding
+  layout's Triton launches and zero-padded torch stacks (zero padding
   commutes with both Newton–Schulz variants in exact arithmetic: zero rows and columns
   stay zero, the Gram matrix of the real rows is unchanged; only rounding differs);
 * out: ``p <- p * decay + update`` (a ``_foreach_mul_`` and a ``_foreach_add_``; with the
@@ -16,9 +16,9 @@ The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`)
 
 :meth:`BatchedStep.compute` reads only static tensors (the layout's buffers and a
 :class:`StepInputs`), so it can be captured in a CUDA graph; the host part of a step is
-:meth:`BatchedStep.scalars`. Independent chains (each torch bucket, each phased group, the
-Adam routes) run inside ``lanes.lane(i)``: eagerly on the current stream; captured, on side
-streams (:mod:`.execution`).
+:meth:`BatchedStep.scalars`. Independent chains (each torch bucket, the Adam routes) run
+inside ``lanes.lane(i)``: eagerly on the current stream; captured, on side streams
+(:mod:`.execution`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .. import functional as F
 from .. import step
 from ..state import advance_powers
 from . import compilation
-from .layout import Layout, run_fused, run_phased
+from .layout import Layout, run_fused
 
 #: The step's scalars, read from the group every step (a scheduler may change any of them), each in the
 #: dtype the loop uses it in. First, in the parameters' dtype: Muon decay, -lr, AdamW decay, 1 - momentum.
@@ -165,9 +165,9 @@ class BatchedStep:
     def before_orthogonalize(self, ok: torch.Tensor) -> None:
         """Momentum and Nesterov update; the Newton-Schulz that reads only the update starts here.
 
-        The torch buckets' Newton-Schulz (the longest chains of kernels) and the phased groups'
-        first half start as soon as the update exists; captured, they run on side streams while
-        the main stream computes Magma's factors and runs the Triton launches. Magma's sums are
+        The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
+        update exists; captured, it runs on side streams while the main stream computes Magma's
+        factors and runs the Triton launches. Magma's sums are
         taken whole in :meth:`orthogonalize` (with the Triton kernels, in the launch that also
         gives the factors). The decay waits for :meth:`apply`.
         """
@@ -243,9 +243,6 @@ class BatchedStep:
                     view = update[off : off + bs * rows * cols].view(bs, rows, cols)
                     part.copy_(view.mT if tall else view)
                 stacks.append(F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack))
-        for j, g in enumerate(L.phased_paths):
-            with lanes.lane(len(L.buckets) + j):
-                run_phased(self.K, g, update, L.muon_delta, L.block_factor, last=False)
         return grads, update, stacks
 
     def _muon(
@@ -293,8 +290,5 @@ class BatchedStep:
                 for boff, bs, delta in b.outputs:
                     part = out[boff : boff + bs, : delta.size(1), : delta.size(2)]
                     torch.mul(part, scale[boff : boff + bs], out=delta)
-        for j, g in enumerate(L.phased_paths):
-            with lanes.lane(len(L.buckets) + j):
-                run_phased(K, g, update, L.muon_delta, factor, last=True)
         for f in L.fused_paths:
             run_fused(K, f, update, L.muon_delta, factor)

@@ -137,6 +137,5 @@ class GroupEngine:
             "cuda_graph": self.executor.captured,
             "program_matrices": sum(len(f.meta) for f in L.fused_paths),
             "panelled": any(f.panelled for f in L.fused_paths),
-            "phased": sorted((g.use_gram, g.shape) for g in L.phased_paths),
             "torch_matrices": [(rows, cols) for b in L.buckets for _, _, rows, cols, _, _ in b.members],
         }

@@ -8,8 +8,7 @@ changes). It holds
   Magma scores. The optimizer's per-parameter state entries (``state[p]["exp_avg"]``...)
   become views of them (:func:`deepmd_hybridmuon.state.adopt`), so the state keeps the built-in layout;
 * the assignment of every Muon matrix to a path (:func:`assign`): one Triton program per
-  matrix (:class:`Fused`), phased Triton tiles (:class:`Phased`), or a zero-padded stack of
-  the torch path (:class:`Bucket`);
+  matrix (:class:`Fused`) or a zero-padded stack of the torch path (:class:`Bucket`);
 * the device tables and workspaces of those paths (addresses, offsets, strides).
 
 Nothing here runs the step: :mod:`.batched` does the arithmetic on these buffers.
@@ -87,32 +86,15 @@ class Fused:
     inv: torch.Tensor | None = None
 
 
-@dataclass
-class Phased:
-    """Matrices of one path too large for one program: phased tiles (``kernels.orthogonalize_phased``)."""
-
-    use_gram: bool
-    shape: tuple[int, int]  # the padded (m, n) of every matrix of the group (kernels.padded)
-    matrices: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
-    # (flat offset, m, n, row stride, column stride, block) in the wide orientation
-    meta: torch.Tensor | None = None
-    partial: torch.Tensor | None = None
-    work: torch.Tensor | None = None
-    coefs: torch.Tensor | None = None
-    counter: torch.Tensor | None = None
-    programs: int = 1
-
-
 def assign(
     views: list[tuple[int, int, int]], K: ModuleType | None, use_gram: bool, device: torch.device
-) -> tuple[list[Fused], list[Phased], list[Bucket]]:
+) -> tuple[list[Fused], list[Bucket]]:
     """Group the Muon matrices (``(batch, rows, cols)`` per parameter, in flat order) into paths.
 
-    With the kernels module ``K``: by ``K.launch_path`` (one program per matrix, panels or phased
-    tiles); the rest (everything without ``K``) into torch buckets.
+    With the kernels module ``K``: by ``K.launch_path`` (one program per matrix, or panels); the rest
+    (everything without ``K``) into torch buckets.
     """
     fused: dict[tuple[bool, bool], Fused] = {}
-    phased: dict[tuple[bool, int, int], Phased] = {}
     buckets: dict[tuple[bool, tuple[int, int]], Bucket] = {}
     offset = block = 0
     for bs, rows, cols in views:
@@ -127,11 +109,6 @@ def assign(
             for i in range(bs):
                 f.meta.append([offset + i * rows * cols, f.size, small, large, *strides, block + i, 0])
                 f.size += rows * cols
-        elif path == "phased":
-            shape = (K.padded(small), K.padded(large))
-            g = phased.setdefault((gram, *shape), Phased(gram, shape))
-            strides = (1, small) if rows > cols else (large, 1)
-            g.matrices += [(offset + i * rows * cols, small, large, *strides, block + i) for i in range(bs)]
         else:
             b = buckets.setdefault((gram, bucket_key(small, large, device)), Bucket(gram))
             b.members.append((offset, bs, rows, cols, b.batch, rows > cols))
@@ -140,15 +117,15 @@ def assign(
             b.rows, b.cols = max(b.rows, small), max(b.cols, large)
         block += bs
         offset += bs * rows * cols
-    return list(fused.values()), list(phased.values()), list(buckets.values())
+    return list(fused.values()), list(buckets.values())
 
 
 def kernel_paths(
     views: list[tuple[int, int, int]], K: ModuleType, use_gram: bool, device: torch.device
 ) -> list[tuple[bool, int, int]]:
     """The Triton launches (``(use_gram, rows, cols)`` each) that :func:`assign` gives these matrices."""
-    fused, phased, _ = assign(views, K, use_gram, device)
-    return [(f.use_gram, f.rows, f.cols) for f in fused] + [(g.use_gram, *g.shape) for g in phased]
+    fused, _ = assign(views, K, use_gram, device)
+    return [(f.use_gram, f.rows, f.cols) for f in fused]
 
 
 def build_fused(K: ModuleType, f: Fused, device: torch.device) -> None:
@@ -171,38 +148,6 @@ def build_fused(K: ModuleType, f: Fused, device: torch.device) -> None:
         f.down = torch.zeros(len(panels), dtype=torch.float32, **kw)
         f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
         f.inv = torch.zeros(len(f.meta), 2, dtype=torch.float32, **kw)
-
-
-def build_phased(K: ModuleType, g: Phased, groups: int, device: torch.device) -> None:
-    """Tables, workspaces and grid of one phased group (``groups`` of them may run at once), on ``device``.
-
-    Also used for the owners' matrices (``distributed.OwnedKernels``).
-    """
-    kw = {"device": device}
-    g.meta = torch.tensor(g.matrices, dtype=torch.int64, **kw)
-    tiles = len(g.matrices) * K.phased_tiles(*g.shape)  # the largest phase: one m x n tile each
-    g.partial = torch.zeros(tiles, 2, dtype=torch.float64, **kw)  # sum of squares, largest magnitude
-    g.work = torch.zeros(K.phased_workspace(g.matrices, g.use_gram), dtype=K.work_dtype(g.use_gram), **kw)
-    g.coefs = K.coefficient_table(g.use_gram, device)
-    g.counter = torch.zeros(1, dtype=torch.int32, **kw)
-    g.programs = tiles
-    if device.type == "cuda":  # every program resident at once, with the other groups'
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        g.programs = max(1, min(g.programs, sms // groups))
-
-
-def run_phased(
-    K: ModuleType, g: Phased, src: torch.Tensor, dst: torch.Tensor, factor: torch.Tensor, last: bool
-) -> None:
-    """All phases of ``g`` but the last (``last`` False), or the last one, which writes ``factor * O``.
-
-    The two launches the registry compiles ahead (a launch of other phases would compile in-process).
-    """
-    n = K.phase_count(g.use_gram)
-    K.orthogonalize_phased(
-        src, dst, g.work, g.meta, g.shape, g.partial, g.coefs, factor, g.counter, g.programs, g.use_gram,
-        first=n - 1 if last else 0, stop=n if last else n - 1,
-    )  # fmt: skip
 
 
 def run_fused(K: ModuleType, f: Fused, src: torch.Tensor, dst: torch.Tensor, factor: torch.Tensor) -> None:
@@ -268,14 +213,14 @@ class Layout:
     def lanes(self) -> int:
         """Independent chains of a step that may run on streams of their own.
 
-        In order: each torch bucket, each phased group, then the Adam routes (if the group has any).
+        In order: each torch bucket, then the Adam routes (if the group has any).
         """
         return self.adam_lane + (1 if self.adam else 0)
 
     @property
     def adam_lane(self) -> int:
-        """The lane of the Adam routes: after every torch bucket's and phased group's."""
-        return len(self.buckets) + len(self.phased_paths)
+        """The lane of the Adam routes: after every torch bucket's."""
+        return len(self.buckets)
 
     # ------------------------------------------------------------------ state
 
@@ -323,13 +268,10 @@ class Layout:
 
         # Each matrix goes to a Triton launch (with the kernels) or to a zero-padded stack
         # of the torch path.
-        fused, phased, buckets = assign(views, K, bool(group["enable_gram"]), self.device)
+        fused, buckets = assign(views, K, bool(group["enable_gram"]), self.device)
         for f in fused:
             build_fused(K, f, self.device)
         self.fused_paths = fused
-        for g in phased:
-            build_phased(K, g, len(phased), self.device)
-        self.phased_paths = phased
         self.triton = K is not None  # also copies the gradients in and applies the updates
         self.magma_kernel = self.triton and self.magma
         if self.magma_kernel:

@@ -7,7 +7,7 @@ specification; these kernels compute the same functions (``newton_schulz``,
 ``gram_newton_schulz``, ``magma_score``/``magma_scale_``, ``nesterov_momentum_``) in fewer
 launches, and read every schedule and constant from ``functional``: the coefficient rows
 as a device table (:func:`coefficient_table`), the Gram restarts as compile-time flags
-(:func:`gram_constants`, :func:`panel_launches`, :func:`phased_schedule`).
+(:func:`gram_constants`, :func:`panel_launches`).
 
 Architecture, one module per kernel family:
 
@@ -18,11 +18,8 @@ Architecture, one module per kernel family:
   (:func:`orthogonalize_blocks`); ``X`` in registers or streamed through a workspace.
 * :mod:`.panel`: the Gram iteration of long matrices in column panels
   (:func:`orthogonalize_panels`, one reduce and one apply launch per schedule segment).
-* :mod:`.phased`: smaller side up to :data:`MAX_PHASED_ROWS`: the iteration as a
-  schedule of tiled products run by one persistent launch with grid barriers
-  (:func:`orthogonalize_phased`).
 * :mod:`.paths`: which of these orthogonalises a matrix (:func:`launch_path`), decided once
-  for the engine's layout and the compile registry.
+  for the engine's layout and the compile registry; larger matrices keep the torch path.
 * :mod:`.magma`: per-block Magma factors in two launches (:func:`magma_factors`).
 * :mod:`.spans`: gradients into the flat buffer, the momentum pass and the parameter
   update over tables of tensor addresses (:func:`gather`, :func:`momentum_update`,
@@ -66,34 +63,18 @@ from .panel import (
     panel_table,
 )
 from .paths import launch_path
-from .phased import (
-    DST,
-    MAX_PHASED_ROWS,
-    PhaseColumn,
-    PhaseKind,
-    orthogonalize_phased,
-    padded,
-    phase_count,
-    phased_schedule,
-    phased_tiles,
-    phased_workspace,
-)
 from .spans import SPAN, apply_updates, gather, momentum_update, span_table
 
 common.settle_hashes()  # the same cache keys in every process (common.settle_hashes)
 
 __all__ = [
-    "DST",
     "MAGMA_PARTIALS",
-    "MAX_PHASED_ROWS",
     "MAX_ROWS",
     "META_COLS",
     "PANEL",
     "SPAN",
     "KernelRegistry",
     "MetaColumn",
-    "PhaseColumn",
-    "PhaseKind",
     "apply_updates",
     "coefficient_table",
     "common",
@@ -106,15 +87,9 @@ __all__ = [
     "momentum_update",
     "orthogonalize_blocks",
     "orthogonalize_panels",
-    "orthogonalize_phased",
-    "padded",
     "panel_block",
     "panel_launches",
     "panel_table",
-    "phase_count",
-    "phased_schedule",
-    "phased_tiles",
-    "phased_workspace",
     "prepare",
     "resident",
     "set_up",

@@ -126,9 +126,9 @@ def kernel(*aligned: str) -> Callable[[Callable[..., None]], Any]:
     ``aligned``: workspaces and tables that every caller allocates as tensors of their own
     (never views at an offset), hence always 16-byte aligned, as the compile process's example
     tensors are. Their alignment is what lets Triton load the tiles of the tensor-core products
-    as vectors (without it the phased kernel took three times as long on one H100, BENCHMARKS.md). A variant is
-    then fixed by the argument dtypes, the constexprs, these alignments and the compile
-    options, all of which the compile process reproduces (:mod:`.compile`).
+    as vectors (without it the phased kernel, since removed, took three times as long on one H100,
+    BENCHMARKS.md). A variant is then fixed by the argument dtypes, the constexprs, these alignments
+    and the compile options, all of which the compile process reproduces (:mod:`.compile`).
     """
 
     def jit(fn: Callable[..., None]) -> Any:

@@ -10,7 +10,7 @@ per machine, in the set-up thread below).
 * A variant is identified by a key (:func:`_launch_key` plus device index and dtype) and
   made of the launches :func:`_launches` gathers for it: the :class:`.common.Launch` objects
   each kernel family declares once (``spans.span_launches``, ``magma.magma_launches``,
-  ``newton_schulz.blocks_launch``, ``panel.panel_variant``, ``phased.phased_launches``) and
+  ``newton_schulz.blocks_launch``, ``panel.panel_variant``) and
   its launchers launch through. The launched kernels take no value specialisation
   (:func:`.common.kernel`), so a variant is fixed by what those declarations hold; the compile
   process warms each one up from them, and the engine's real launches find exactly those binaries.
@@ -57,16 +57,14 @@ from .magma import magma_launches
 from .newton_schulz import blocks_launch, blocks_options
 from .panel import panel_block, panel_variant
 from .paths import launch_path
-from .phased import padded, phased_launches
 from .spans import span_launches
 
 log = logging.getLogger("deepmd.hybridmuon")
 
 Key = tuple[Any, ...]
 
-#: Compile processes at most, each taking a share of the missing variants: the phased
-#: variants take 7-8 s each, so one process for all of them kept the torch path for ~50 s
-#: (DPA-3, BENCHMARKS.md); each process costs a CUDA context and an import of torch.
+#: Compile processes at most, each taking a share of the missing variants (the torch path runs
+#: until the last one is done); each process costs a CUDA context and an import of torch.
 WORKERS = 4
 #: The log line when variants compile in the background (benchmarks read it).
 COMPILING_LOG = "Triton kernels: compiling %d variants in the background; torch kernels until then"
@@ -75,12 +73,11 @@ NICE = 10
 
 
 def _shares(keys: list[Key]) -> list[list[Key]]:
-    """``keys`` dealt to at most :data:`WORKERS` processes (fewer on few cores), the slow phased variants first."""
-    ordered = sorted(keys, key=lambda key: (key[0] != "phased", repr(key)))
+    """``keys`` dealt to at most :data:`WORKERS` processes (fewer on few cores)."""
     # Under torchrun every rank of the node compiles: its share of the cores, halved.
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    count = max(1, min(WORKERS, len(ordered), (os.cpu_count() or 1) // max(1, ranks) // 2))
-    return [ordered[i::count] for i in range(count)]
+    count = max(1, min(WORKERS, len(keys), (os.cpu_count() or 1) // max(1, ranks) // 2))
+    return [keys[i::count] for i in range(count)]
 
 
 class Ledger:
@@ -473,8 +470,6 @@ def _warm_up(key: Key, device: torch.device) -> None:
 
 def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
     path = launch_path(use_gram, rows, cols)
-    if path == "phased":
-        return ("phased", use_gram, (padded(rows), padded(cols)))
     if path == "panel":
         return ("panel", panel_block(rows))
     if path == "program":
@@ -489,8 +484,6 @@ def _launches(key: Key) -> list[Launch]:
         return list(magma_launches(dtype))
     if kind == "spans":
         return list(span_launches(dtype))
-    if kind == "phased":
-        return list(phased_launches(dtype, key[1], key[2]))
     if kind == "panel":
         gram, segments = panel_variant(dtype, key[1])
         return [gram, *(launch for pair in segments for launch in pair)]

@@ -10,9 +10,8 @@ from typing import Literal
 
 from .common import MAX_ROWS
 from .panel import panelled
-from .phased import MAX_PHASED_ROWS
 
-Path = Literal["program", "panel", "phased"]
+Path = Literal["program", "panel"]
 
 
 def launch_path(use_gram: bool, rows: int, cols: int) -> Path | None:
@@ -20,11 +19,9 @@ def launch_path(use_gram: bool, rows: int, cols: int) -> Path | None:
 
     ``"program"``: one program per matrix (:func:`.newton_schulz.orthogonalize_blocks`), smaller side up to
     :data:`.common.MAX_ROWS`; ``"panel"``: such a matrix too long for one program under the Gram
-    iteration (:func:`.panel.orthogonalize_panels`); ``"phased"``: smaller side up to
-    :data:`.phased.MAX_PHASED_ROWS` (:func:`.phased.orthogonalize_phased`); ``None``: the torch path.
+    iteration (:func:`.panel.orthogonalize_panels`); ``None``: the torch path (batched cuBLAS), for every
+    larger matrix.
     """
     if rows <= MAX_ROWS:
         return "panel" if panelled(use_gram, rows, cols) else "program"
-    if rows <= MAX_PHASED_ROWS:
-        return "phased"
     return None
