@@ -414,6 +414,32 @@ def cpu_time_to_accuracy() -> str:
     return table(head, rows, right=1) + "\n\n" + note + "\n\n" + sources(names)
 
 
+#: The phased kernel's removal: (with it, without it) per round, alternating in one call.
+PHASED = [
+    (f"step_time_h200_2026-11-27_with_phased_r{r}.json", f"step_time_h200_2026-11-27_without_phased_r{r}.json")
+    for r in (1, 2)
+]
+PHASED_E2E = [
+    (
+        f"train_speed_se_e2_a_h200_2026-11-27_with_phased_r{r}.json",
+        f"train_speed_se_e2_a_h200_2026-11-27_without_phased_r{r}.json",
+    )
+    for r in (1, 2)
+]
+
+
+def design_phased() -> str:
+    def step(name: str, config: str) -> str:
+        med = step_medians(name, config)
+        return f"{_ms(med['ours'])} ({ratio(med['ours'], med['adamw'])})"
+
+    rows = [[MODEL[c], *(step(n, c) for pair in PHASED for n in pair)] for c in load(PHASED[0][0])["configs"]]
+    spb = [next(r["average_s_per_batch"] for r in load(n)["results"]) for pair in PHASED_E2E for n in pair]
+    rows.append(["se_e2_a water, end to end (s/batch)", *(f"{x:.4f}" for x in spb)])
+    head = ["model", *(f"round {r}, {k}" for r in (1, 2) for k in ("with", "without"))]
+    return table(head, rows) + "\n\n" + sources([n for pairs in (PHASED, PHASED_E2E) for pair in pairs for n in pair])
+
+
 #: The GPU step before and after the current CPU work, alternating in one call: (3f98130, then) pairs of rounds.
 STEP_BEFORE_AFTER = [f"step_time_h100_2026-11-27_{k}_r{r}.json" for r in (1, 2) for k in ("before", "after")]
 
@@ -557,6 +583,7 @@ BLOCKS = {
     "step-alone": step_alone,
     "step-spread": step_spread,
     "cold-start": cold_start,
+    "design-phased": design_phased,
     "cpu-step": cpu_step,
     "cpu-train": cpu_train,
     "cpu-time-to-accuracy": cpu_time_to_accuracy,

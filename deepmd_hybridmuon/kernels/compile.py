@@ -331,10 +331,12 @@ class KernelRegistry:
         """Start a worker for ``keys``; ``False`` if no child process can be started here."""
         if self.worker is None and not sys.executable:
             return False  # an embedded interpreter: compile in this process instead
-        command = self.worker or [sys.executable, "-c", f"from {__name__} import compile_worker; compile_worker()"]
-        env = dict(os.environ)
-        # The child imports this very package, wherever this process found it.
+        # The child imports this very package, wherever this process found it: first on its path, ahead of the
+        # current directory, which `python -c` puts first (a checkout of another version there would win).
         root = str(Path(__file__).resolve().parents[2])
+        code = f"import sys; sys.path.insert(0, {root!r}); from {__name__} import compile_worker; compile_worker()"
+        command = self.worker or [sys.executable, "-c", code]
+        env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
         try:
             process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
