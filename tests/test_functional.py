@@ -544,4 +544,7 @@ def test_the_written_out_algorithm_states_the_specifications_constants() -> None
     assert f"d = {floor:g} + {1 - floor:g}\\sigma" in doc
     assert f"\\epsilon = 10^{{{math.log10(F.ADAM_EPS):.0f}}}" in doc
     magma = " ".join(next(a for a in hybrid_muon_arguments() if a.name == "magma_muon").doc.split())
-    assert f"{floor:g} + {1 - floor:g}*score, score an EMA ({decay:g}, from {F.MAGMA_INITIAL_SCORE:g})" in magma
+    assert (
+        f"{floor:g} + {1 - floor:g}*score, the score a running average (EMA {decay:g}, from {F.MAGMA_INITIAL_SCORE:g})"
+        in magma
+    )
