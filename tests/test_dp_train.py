@@ -199,4 +199,7 @@ def test_a_checkpoint_without_a_later_option_resumes_with_its_state(workdir, fir
         finals[name] = [entry["momentum_buffer"] for entry in saved["state"].values() if "momentum_buffer" in entry]
     assert finals["complete"] and len(finals["complete"]) == len(finals["older_writer"])
     for a, b in zip(finals["complete"], finals["older_writer"], strict=True):
-        assert torch.equal(a, b)  # the same state, data and arithmetic: bit for bit
+        # The same state, data and arithmetic: equal, and bit for bit in a quiet run. Two processes may still round
+        # a reduction differently under load (two threads), which the bfloat16 Newton-Schulz can amplify to about
+        # 1e-3 of a parameter's change; a restart from fresh state would leave only 2 of 62 steps of momentum (~90 %).
+        assert float((a - b).norm()) <= 1e-2 * float(a.norm())
