@@ -78,23 +78,19 @@ class _Phases:
             else:
                 self.adam_params.append((p, grad_of(p), route.route))
         self.gates: dict[torch.device, torch.Tensor] = {}
-        self.taken = False  # the gate is on the CPU and says "taken" (:meth:`_ok`)
+        self.ungated = True  # step.run: a taken step on the CPU runs without the gating arithmetic
 
     @property
     def has_muon(self) -> bool:
         """Whether the group has Muon matrices with gradients (phases 3-5 have work)."""
         return bool(self.matrices)
 
-    def _ok(self, device: torch.device) -> torch.Tensor | None:
-        """The one gate, copied once to each device the group's parameters live on; ``None`` when known taken.
-
-        A gate on the CPU is read at once (it costs nothing there): a step known to be taken runs
-        without the gate's multiplications and selections, half the passes over each tensor.
-        """
-        if self.taken:
+    def _ok(self, ok: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """The one gate ``ok``, copied once to each device the group's parameters live on (``None`` stays)."""
+        if ok is None:
             return None
         if device not in self.gates:
-            self.gates[device] = next(iter(self.gates.values())).to(device)
+            self.gates[device] = ok.to(device)
         return self.gates[device]
 
     def gate(self) -> torch.Tensor:
@@ -103,10 +99,9 @@ class _Phases:
         else:  # Adam gradients also below ADAM_GRAD_LIMIT (functional.finite_gate)
             ok = F.finite_gate([m.grad for m in self.matrices], [g for _, g, _ in self.adam_params])
         self.gates = {ok.device: ok}
-        self.taken = ok.device.type == "cpu" and bool(ok)
         return ok
 
-    def adam(self, ok: torch.Tensor) -> None:
+    def adam(self, ok: torch.Tensor | None) -> None:
         s = self.settings
         for p, grad, route in self.adam_params:
             entry = advance_adam_state(self.state, p, s)
@@ -121,31 +116,31 @@ class _Phases:
                 beta2_pow=entry["beta2_pow"],
                 lr=s.adam_lr,
                 decay_factor=s.adam_decay(route),
-                ok=self._ok(grad.device),
+                ok=self._ok(ok, grad.device),
             )
 
-    def before_orthogonalize(self, ok: torch.Tensor) -> None:
+    def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
         s = self.settings
         for m in self.matrices:
-            p, (bs, _, _), ok = m.p, m.view, self._ok(m.grad.device)
+            p, (bs, _, _), ok_here = m.p, m.view, self._ok(ok, m.grad.device)
             buf = muon_state(self.state, p, m.grad, bs if s.magma else None)["momentum_buffer"]
-            g = F.sanitize(m.grad.to(buf.dtype), ok)
+            g = F.sanitize(m.grad.to(buf.dtype), ok_here)
             if s.weight_decay > 0:
-                p.mul_(F.gate_factor(s.muon_decay, ok, p.dtype))
-            m.update = F.nesterov_momentum_(buf, g, s.momentum, ok)
+                p.mul_(F.gate_factor(s.muon_decay, ok_here, p.dtype))
+            m.update = F.nesterov_momentum_(buf, g, s.momentum, ok_here)
             if s.magma:
                 m.sums = F.magma_sums(buf.reshape(bs, -1), g.reshape(bs, -1))
 
     def complete_sums(self) -> None:
         """Nothing: each matrix's sums are whole in one process."""
 
-    def orthogonalize(self, ok: torch.Tensor) -> None:
+    def orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Each matrix's scaled, damped, orthogonalised update, written into its parameter at once."""
         s = self.settings
         for m in self.matrices:
             assert m.update is not None  # before_orthogonalize ran
             bs, rows, cols = m.view
-            ok_here = self._ok(m.grad.device)
+            ok_here = self._ok(ok, m.grad.device)
             delta = F.orthogonalize(m.update.reshape(bs, rows, cols), s.use_gram) * s.scale(rows, cols)
             m.update = None
             if m.sums is not None:
@@ -156,7 +151,7 @@ class _Phases:
             else:
                 m.p.addcmul_(delta.reshape(m.p.shape), ok_here.to(m.p.dtype) * -s.lr)
 
-    def apply(self, ok: torch.Tensor) -> None:
+    def apply(self, ok: torch.Tensor | None) -> None:
         """Nothing left: the Adam routes wrote their parameters in :meth:`adam`, Muon's in :meth:`orthogonalize`."""
 
 

@@ -48,15 +48,20 @@ class Phases(Protocol):
         """Whether phases 3-5 have work: the group has Muon matrices with gradients."""
         ...
 
+    @property
+    def ungated(self) -> bool:
+        """Whether the phases take ``ok`` as ``None`` for a step known to be taken (:func:`run`)."""
+        ...
+
     def gate(self) -> torch.Tensor:
         """The step's finite gate: a float32 scalar on the device, 1.0 (take the step) or 0.0."""
         ...
 
-    def adam(self, ok: torch.Tensor) -> None:
+    def adam(self, ok: torch.Tensor | None) -> None:
         """The Adam and AdamW routes, gated by ``ok``."""
         ...
 
-    def before_orthogonalize(self, ok: torch.Tensor) -> None:
+    def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Muon's weight decay, momentum and Nesterov update; Magma's partial sums."""
         ...
 
@@ -64,11 +69,11 @@ class Phases(Protocol):
         """Magma's partial sums completed over whole matrices (across ranks)."""
         ...
 
-    def orthogonalize(self, ok: torch.Tensor) -> None:
+    def orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Magma's multiplier and each Muon matrix's scaled, orthogonalised update."""
         ...
 
-    def apply(self, ok: torch.Tensor) -> None:
+    def apply(self, ok: torch.Tensor | None) -> None:
         """Every update written into its parameter."""
         ...
 
@@ -76,10 +81,13 @@ class Phases(Protocol):
 def run(phases: Phases) -> torch.Tensor:
     """One step: the phases of ``phases`` in the order of the module docstring; returns the finite gate."""
     ok = phases.gate()
-    phases.adam(ok)
+    # On the CPU reading the gate costs nothing: a step known to be taken runs without the gating arithmetic
+    # (``ok`` None: every change multiplied by 1), for the implementations that can (:attr:`Phases.ungated`).
+    gated = None if phases.ungated and ok.device.type == "cpu" and bool(ok) else ok
+    phases.adam(gated)
     if phases.has_muon:
-        phases.before_orthogonalize(ok)
+        phases.before_orthogonalize(gated)
         phases.complete_sums()
-        phases.orthogonalize(ok)
-    phases.apply(ok)
+        phases.orthogonalize(gated)
+    phases.apply(gated)
     return ok

@@ -292,6 +292,7 @@ class _Phases:
         #: Whether the group has Muon matrices with gradients (phases 3-5 have work); fixed here, as
         #: before_orthogonalize releases the gradient copy it is read from.
         self.has_muon = self.inputs.muon_grad is not None
+        self.ungated = False  # the shard code always takes the gate (step.run)
         self.muon: local.LocalMuon | None = None
         self.sums: torch.Tensor | None = None
         self.delta: torch.Tensor | None = None

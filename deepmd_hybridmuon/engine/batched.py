@@ -86,7 +86,9 @@ class BatchedStep:
         self.shared_gate = shared_gate
         self.K = compilation.kernels() if layout.triton else None
         self.ok = inputs.ok  # the last step's finite gate (compute)
-        self.taken = False  # the gate was read on the CPU: the step is taken (gate)
+        # step.run: a taken step on the CPU runs the torch path without the gating arithmetic (the Triton
+        # kernels, which run there under Triton's interpreter in the tests, take the gate)
+        self.ungated = not layout.triton
 
     # ------------------------------------------------------------------ host
 
@@ -125,10 +127,6 @@ class BatchedStep:
         self.one_minus_beta = one_minus_beta
         self.ok = step.run(self)  # captured: the graph's tensor, which each replay rewrites
 
-    def _gated(self, ok: torch.Tensor) -> torch.Tensor | None:
-        """``ok``, or ``None`` when the gate was read on the CPU and the step is taken (no gating arithmetic)."""
-        return None if self.taken else ok
-
     # The phases of step.run, on the layout's buffers.
 
     @property
@@ -141,15 +139,10 @@ class BatchedStep:
         L = self.layout
         if L.triton:  # the copy in also flags the spans a step cannot take
             self.K.gather(self.inputs.addresses, L.spans, L.grad, L.span_finite)
-            ok = self.inputs.ok if self.shared_gate else L.span_finite.amin()
-        else:
-            ok = self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
-        # On the CPU reading the gate costs nothing: a taken step then runs the torch path without the gating
-        # arithmetic (the Triton kernels, which run there under Triton's interpreter in the tests, take the gate).
-        self.taken = not L.triton and ok.device.type == "cpu" and bool(ok)
-        return ok
+            return self.inputs.ok if self.shared_gate else L.span_finite.amin()
+        return self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
 
-    def adam(self, ok: torch.Tensor) -> None:
+    def adam(self, ok: torch.Tensor | None) -> None:
         """Adam and AdamW into the update buffer; the decay waits for :meth:`apply`."""
         L = self.layout
         if not L.adam:
@@ -159,10 +152,9 @@ class BatchedStep:
         with self.lanes.lane(L.adam_lane):  # each parameter's pair of scalars, spread over its elements
             adam = self.inputs.scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per param
             neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # one gather kernel
-            gated = self._gated(ok)
-            self._adam(neg_step if gated is None else neg_step * gated, bc2, gated, adam[:2])
+            self._adam(neg_step if ok is None else neg_step * ok, bc2, ok, adam[:2])
 
-    def before_orthogonalize(self, ok: torch.Tensor) -> None:
+    def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Momentum and Nesterov update; the Newton-Schulz that reads only the update starts here.
 
         The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
@@ -171,24 +163,22 @@ class BatchedStep:
         taken whole in :meth:`orthogonalize` (with the Triton kernels, in the launch that also
         gives the factors). The decay waits for :meth:`apply`.
         """
-        self.pending = self._muon_update(self._gated(ok), self.betas, self.one_minus_beta, self.lanes)
+        self.pending = self._muon_update(ok, self.betas, self.one_minus_beta, self.lanes)
 
     def complete_sums(self) -> None:
         """Nothing: each matrix's sums are whole in one process."""
 
-    def orthogonalize(self, ok: torch.Tensor) -> None:
+    def orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Magma's factors, then every Muon matrix's orthogonalised update times its factor, into ``muon_delta``."""
-        gated = self._gated(ok)
-        neg_lr = self.neg_lr if gated is None else self.neg_lr * gated.to(self.layout.dtype)
-        self._muon(neg_lr, gated, *self.pending, self.lanes)
+        neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(self.layout.dtype)
+        self._muon(neg_lr, ok, *self.pending, self.lanes)
         self.pending = None
 
-    def apply(self, ok: torch.Tensor) -> None:
+    def apply(self, ok: torch.Tensor | None) -> None:
         """``p <- p * decay + delta``, the decays gated, once every lane has written its updates."""
         L = self.layout
         self.lanes.join()
-        gated = self._gated(ok)
-        self._apply(F.gate_factor(self.muon_decay, gated, L.dtype), F.gate_factor(self.adamw_decay, gated, L.dtype))
+        self._apply(F.gate_factor(self.muon_decay, ok, L.dtype), F.gate_factor(self.adamw_decay, ok, L.dtype))
 
     def _apply(self, muon_decay: torch.Tensor, adamw_decay: torch.Tensor) -> None:
         """p <- p * decay + delta for every parameter (decay: Muon's, AdamW's, or none for Adam)."""
