@@ -24,7 +24,7 @@ from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine, compilation
 from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS, option_doc
-from .state import check_sizes, check_state_dict, with_defaults
+from .state import check_sizes, check_state_dict
 from .validation import (
     REMOVED_KEYS,
     check_gradients,
@@ -463,8 +463,7 @@ class HybridMuonOptimizer(Optimizer):
         wrong keys, shape or dtype raise a ``ValueError`` and leave this optimizer as it was. An
         option the writer did not have (an older version, deepmd's built-in) takes its default.
         """
-        check_state_dict(state_dict, self.param_groups, self._describe)
-        super().load_state_dict(with_defaults(state_dict))
+        super().load_state_dict(check_state_dict(state_dict, self.param_groups, self._describe))
         self._state_version += 1
         for state in self.state.values():
             for key in _FLOAT32_STATE:

@@ -51,8 +51,8 @@ def check_state_dict(
     state_dict: Any,
     groups: Sequence[Mapping[str, Any]],
     describe: Callable[[torch.Tensor], str],
-) -> None:
-    """Raise ``ValueError`` unless ``state_dict`` can be loaded into an optimizer with ``groups``.
+) -> Any:
+    """Raise ``ValueError`` unless ``state_dict`` can be loaded; return it as it loads (:func:`with_defaults`).
 
     Parameters
     ----------
@@ -64,12 +64,13 @@ def check_state_dict(
     describe
         A parameter's description for messages (its name where known).
 
-    Nothing is modified, neither ``state_dict`` nor ``groups``.
+    Nothing is modified, neither ``state_dict`` nor ``groups`` (what lacks an option is completed in a copy).
     """
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
         raise ValueError(f"Invalid optimizer state dict: {keys}; expected a mapping with 'state' and 'param_groups'")
-    saved_groups = with_defaults(state_dict)["param_groups"]
+    completed = with_defaults(state_dict)
+    saved_groups = completed["param_groups"]
     if not isinstance(saved_groups, Sequence) or len(saved_groups) != len(groups):
         count = len(saved_groups) if isinstance(saved_groups, Sequence) else repr(saved_groups)
         raise ValueError(f"Invalid param_groups in the state dict: {count} groups; this optimizer has {len(groups)}")
@@ -90,6 +91,7 @@ def check_state_dict(
             shown = known if len(known) <= 6 else [*known[:3], "...", *known[-2:]]
             raise ValueError(f"Invalid state key {key!r}; expected one of the saved param_groups' params {shown}")
         _check_entry(f"parameter {key!r} ({describe(p)})", entry, p)
+    return completed
 
 
 def written_by_hybridmuon(state_dict: Any) -> bool | None:
