@@ -642,8 +642,8 @@ class HybridMuonOptimizer(Optimizer):
         cols) of each shape this rank orthogonalises on the torch path. For the engine also:
         ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
         kernels are compiled), ``cuda_graph`` (steps replay a captured graph), and the paths of
-        the Muon matrices: ``program_matrices`` (one Triton program each), ``panelled`` (some
-        streamed in panels) and ``torch_matrices`` ((rows, cols) of each parameter on the torch path).
+        the Muon matrices: ``program_matrices`` (one Triton program each) and ``torch_matrices``
+        ((rows, cols) of each parameter on the torch path).
         """
         rows = []
         for index, group in enumerate(self.param_groups):

@@ -90,7 +90,7 @@ def test_the_real_worker_reports_each_variant_and_the_engine_keeps_the_torch_pat
         assert pending is not None and not pending.is_set()  # a child process compiles
         assert pending.wait(300), "the compile process did not finish"
     failures = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
-    # one line per variant: standard program (32 x 48), Gram panel (64 x 512), spans, Magma
+    # one line per variant: standard program (32 x 48), Gram program streamed (64 x 512), spans, Magma
     assert len(failures) == 4, failures
     assert all("torch kernels instead" in line for line in failures)
     caplog.clear()
@@ -120,7 +120,7 @@ def test_variants_in_flight_are_not_compiled_twice(monkeypatch, tmp_path):
         second = K.prepare(GPU, torch.float32, PATHS, magma=True)  # another param_group, same variants
         assert first is not None and second is not None
         assert len(registry.workers) == started
-        # four variants (standard program, Gram panel, spans, Magma), each compiled by one process
+        # four variants (standard program, streamed Gram program, spans, Magma), each compiled by one process
         compiling = [repr(key) for w in registry.workers for key in w.keys]
         assert len(compiling) == len(set(compiling)) == 4
         assert not K.wait_ready(0)
@@ -149,7 +149,7 @@ def test_compiled_variants_load_one_per_step_and_a_later_run_needs_no_compile_pr
     for worker in first.workers:
         worker.process.wait(60)
     first.setup.join()  # Triton's set-up: no variant loads before it is done (off this thread)
-    seen = [(pending.is_set(), len(loaded)) for _ in range(4)]  # standard program, Gram panel, spans, Magma
+    seen = [(pending.is_set(), len(loaded)) for _ in range(4)]  # standard program, streamed Gram program, spans, Magma
     assert seen == [(False, 1), (False, 2), (False, 3), (True, 4)]
     # A later run with the same cache: no compile process (its stand-in would leave the
     # marker file); the variants load the same way, one per poll, from the first step on.
@@ -193,7 +193,7 @@ KINDS = [
     ("spans", 0, torch.float32),
     ("magma", 0, torch.float32),
     (*K.compile._launch_key(False, 32, 48), 0, torch.float32),  # one program per matrix
-    (*K.compile._launch_key(True, 64, 4096), 0, torch.float32),  # Gram panels
+    (*K.compile._launch_key(True, 64, 4096), 0, torch.float32),  # the Gram iteration, streamed
 ]
 
 
@@ -328,14 +328,14 @@ def test_the_benchmarks_read_the_log_lines_the_package_writes():
     assert common.KERNELS_FROM_STEP_RE.search(KERNELS_IN_USE_LOG % 7).group(1) == "7"
 
 
-# Hashes every host kernel's Triton cache key, the panel Gram kernel first (as a compile process
-# did) or last (after the others, as the training process did), and prints them.
+# Hashes every host kernel's Triton cache key, the Newton–Schulz kernel first or last (in a process
+# that launched the others before it), and prints them.
 _CACHE_KEYS = textwrap.dedent(
     """
     import json, sys
     from deepmd_hybridmuon.kernels import common
     kernels = [f for f in common.JITTED if f.fn.__name__ in common.ALIGNED]
-    kernels.sort(key=lambda f: (f.fn.__name__ == "_panel_gram_kernel") == (sys.argv[1] == "gram-last"))
+    kernels.sort(key=lambda f: (f.fn.__name__ == "_newton_schulz_kernel") == (sys.argv[1] == "gram-last"))
     print(json.dumps({f.fn.__name__: f.cache_key for f in kernels}))
     """
 )
@@ -345,7 +345,7 @@ def test_a_kernels_cache_key_does_not_depend_on_the_order_of_launches():
     """The compile process and the training process find each variant under one Triton cache key.
 
     Triton hashes a kernel lazily and folds in only the globals of helpers already hashed in
-    that process: hashed first, the panel Gram kernel missed ``_matrix_meta``'s constants and was
+    that process: hashed first, a kernel once missed ``_matrix_meta``'s constants and was
     compiled again in the training process (kernels.common.settle_hashes).
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -362,25 +362,25 @@ def test_a_kernels_cache_key_does_not_depend_on_the_order_of_launches():
 
 
 @pytest.mark.parametrize(
-    ("use_gram", "rows", "cols", "path"),
+    ("use_gram", "rows", "cols", "triton"),
     [
-        (True, 128, 128, "program"),  # resident: 128 x 128 in registers
-        (False, 64, 2048, "program"),  # the standard iteration streams a long matrix
-        (True, 64, 2048, "panel"),  # the Gram iteration splits it into column panels
-        (True, 129, 129, None),  # the torch path, for every smaller side above 128
-        (False, 256, 1600, None),
-        (True, 257, 300, None),
+        (True, 128, 128, True),  # resident: 128 x 128 in registers
+        (False, 64, 2048, True),  # a long matrix streamed through the workspace
+        (True, 64, 2048, True),
+        (True, 129, 129, False),  # the torch path, for every smaller side above 128
+        (False, 256, 1600, False),
+        (True, 257, 300, False),
     ],
 )
-def test_each_matrix_has_one_path_for_the_layout_and_the_registry(use_gram, rows, cols, path):
-    """kernels.launch_path decides; the layout's groups and the registry's variant keys follow it."""
+def test_each_matrix_has_one_path_for_the_layout_and_the_registry(use_gram, rows, cols, triton):
+    """kernels.on_triton decides; the layout's groups and the registry's variant keys follow it."""
     from deepmd_hybridmuon.engine.layout import assign
 
-    assert K.launch_path(use_gram, rows, cols) == path
+    assert K.on_triton(min(rows, cols)) == triton
     fused, buckets = assign([(1, rows, cols)], K, use_gram, torch.device("cpu"))
-    assert (len(fused), len(buckets)) == (path is not None, path is None)
-    if path is None:
+    assert (len(fused), len(buckets)) == (triton, not triton)
+    if triton:
+        assert K.compile._launch_key(use_gram, rows, cols)[0] == "ns"
+    else:
         with pytest.raises(ValueError, match="torch path"):
             K.compile._launch_key(use_gram, rows, cols)
-    else:
-        assert K.compile._launch_key(use_gram, rows, cols)[0] == {"program": "ns"}.get(path, path)

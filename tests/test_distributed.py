@@ -1182,7 +1182,7 @@ def test_magma_segment_sums_span_several_blocks() -> None:
 GPU_MODEL = """
 from torch.distributed.tensor import distribute_tensor
 torch.manual_seed(0)
-def model():  # weights on every path: panels (64 x 600, Gram), one program each, the torch path (200 x 160, 240 x 200)
+def model():  # weights on every path: one program each (64 x 600 streamed), the torch path (200 x 160, 240 x 200)
     layers = [torch.nn.Linear(600, 64), torch.nn.Tanh(), torch.nn.Linear(64, 160), torch.nn.Tanh()]
     layers += [torch.nn.Linear(160, 200), torch.nn.Tanh(), torch.nn.Linear(200, 240), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers, torch.nn.Linear(240, 16)).cuda()

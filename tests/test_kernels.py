@@ -43,13 +43,14 @@ def _layout(shapes):
 
 @pytest.mark.parametrize(
     ("use_gram", "shapes"),
-    [(False, SHAPES), (True, SHAPES), (False, STREAMED)],  # Gram of long matrices: the panel test
-    ids=["resident", "resident-gram", "streamed"],
+    [(False, SHAPES), (True, SHAPES), (False, STREAMED), (True, STREAMED)],
+    ids=["resident", "resident-gram", "streamed", "streamed-gram"],
 )
 def test_newton_schulz_kernel_matches_the_reference(kernels, use_gram, shapes):
     K, device = kernels
     rows, cols = max(min(s) for s in shapes), max(max(s) for s in shapes)
     assert K.resident(rows, cols) == (shapes is SHAPES)
+    assert K.on_triton(rows)
     gen = torch.Generator().manual_seed(0)
     mats = [torch.randn(s, generator=gen).to(device) for s in shapes]
     meta, size = _layout(shapes)
@@ -68,21 +69,6 @@ def test_newton_schulz_kernel_matches_the_reference(kernels, use_gram, shapes):
         assert err < KERNEL_MUON_TOL, (shapes[i], err)
 
 
-def test_panel_kernels_match_the_reference(kernels):
-    """Long matrices through the five panel launches (the Gram path of non-resident matrices)."""
-    K, device = kernels
-    gen = torch.Generator().manual_seed(2)
-    mats = [torch.randn(s, generator=gen).to(device) for s in STREAMED]
-    panels, first = K.panel_table(_layout(STREAMED)[0])
-    assert first[-1] == len(panels) == sum(-(-max(s) // K.PANEL) for s in STREAMED)
-    outs = _run_panels(K, device, mats, True, factor=torch.arange(1.0, len(STREAMED) + 1.0, device=device))
-    for i, (g, out) in enumerate(zip(mats, outs, strict=True)):
-        ref = F.gram_newton_schulz(g[None])[0].float() * (i + 1)
-        err = ((out - ref).norm() / ref.norm()).item()
-        # as above; here the Gram matrix also comes from float32 (TF32 on a GPU) products of G
-        assert err < KERNEL_MUON_TOL, (STREAMED[i], err)
-
-
 def _changed_schedules(monkeypatch):
     """Schedules unlike HybridMuon's, changed in ``functional`` only.
 
@@ -98,36 +84,30 @@ def _changed_schedules(monkeypatch):
 def test_kernel_schedules_are_the_functional_tables(monkeypatch):
     """The kernels' schedule constants are derived from ``functional``'s tables, not written again."""
     K = pytest.importorskip("deepmd_hybridmuon.kernels")
-
-    def launches():
-        return [(r["START"], r["STOP"], a["FROM_SOURCE"], a["FINAL"]) for r, a in K.panel_launches()]
-
     # HybridMuon's schedules: the constants the kernels once spelled out (five Gram
     # iterations, a restart before the third, ten standard iterations)
     assert K.gram_constants() == {"RESTARTS": (0, 0, 1, 0, 0), "FRESH_Q": (1, 0, 1, 0, 0), "UPDATES_R": (1, 0, 1, 1, 0)}
-    assert launches() == [(0, 2, True, False), (2, 5, False, True)]
 
     _changed_schedules(monkeypatch)
     assert K.gram_constants() == {"RESTARTS": (0, 1, 0, 1), "FRESH_Q": (1, 1, 0, 1), "UPDATES_R": (0, 1, 0, 0)}
-    assert launches() == [(0, 1, True, False), (1, 3, False, False), (3, 4, False, True)]
     assert torch.equal(K.coefficient_table(False, "cpu"), torch.tensor([F.NS_FAST_COEFFS] * 3))
     assert torch.equal(K.coefficient_table(True, "cpu"), torch.tensor(F.POLAR_EXPRESS_COEFFS))
 
 
 def test_kernels_follow_a_changed_schedule(kernels, monkeypatch):
-    """Every Newton–Schulz family runs ``functional``'s schedule: changed there, the kernels follow."""
+    """Every branch of the Newton–Schulz kernel runs ``functional``'s schedule: changed there, the kernels follow."""
     K, device = kernels
     gen = torch.Generator().manual_seed(11)
-    cases = {  # (path, use_gram): shapes
-        ("blocks", False): SHAPES[:2],
-        ("blocks", True): SHAPES[:2],
-        ("panels", True): [(17, 130), (40, 70)],
+    cases = {  # (residency, use_gram): shapes
+        ("resident", False): SHAPES[:2],
+        ("resident", True): SHAPES[:2],
+        ("streamed", True): [(17, 130), (40, 70)],
     }
     mats = {key: [torch.randn(s, generator=gen).to(device) for s in shapes] for key, shapes in cases.items()}
     default = {key: [F.orthogonalize(g[None], key[1])[0].float() for g in ms] for key, ms in mats.items()}
     _changed_schedules(monkeypatch)
     for (path, use_gram), ms in mats.items():
-        outs = {"blocks": _run_blocks, "panels": _run_panels}[path](K, device, ms, use_gram)
+        outs = _run_blocks(K, device, ms, use_gram)
         for g, out, before in zip(ms, outs, default[path, use_gram], strict=True):
             ref = F.orthogonalize(g[None], use_gram)[0].float()
             err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -151,39 +131,11 @@ def _run_blocks(K, device, mats, use_gram):
     return [out.view_as(m) for m, out in zip(mats, dst.split([m.numel() for m in mats]), strict=True)]
 
 
-def _run_panels(K, device, mats, use_gram, factor=None):
-    """``kernels.orthogonalize_panels`` (the Gram iteration) on ``mats``, times ``factor`` (default 1); the outputs."""
-    assert use_gram
-    shapes = [tuple(m.shape) for m in mats]
-    meta, size = _layout(shapes)
-    panels, first = K.panel_table(meta)
-    rows = max(min(s) for s in shapes)
-    bm = K.panel_block(rows)
-    src = torch.cat([m.reshape(-1) for m in mats])
-    dst = torch.full_like(src, float("nan"))
-    K.orthogonalize_panels(
-        src,
-        dst,
-        torch.zeros(size, dtype=torch.float16, device=device),
-        torch.tensor(meta, dtype=torch.int64, device=device),
-        torch.tensor(panels, dtype=torch.int64, device=device),
-        torch.tensor(first, dtype=torch.int64, device=device),
-        torch.zeros(len(panels), bm, bm, device=device),
-        torch.zeros(len(panels), device=device),
-        torch.zeros(len(meta), bm, bm, dtype=torch.float16, device=device),
-        torch.zeros(len(meta), 2, device=device),
-        K.coefficient_table(True, device),
-        torch.ones(len(mats), device=device) if factor is None else factor,
-        rows,
-    )
-    return [out.view_as(m) for m, out in zip(mats, dst.split([m.numel() for m in mats]), strict=True)]
-
-
 SCALE_CASES = {  # the runner, use_gram and the shapes of every Newton-Schulz kernel branch
     "resident": (_run_blocks, False, SHAPES),
     "resident-gram": (_run_blocks, True, SHAPES),
     "streamed": (_run_blocks, False, STREAMED),
-    "panels": (_run_panels, True, [(17, 130), (40, 70)]),
+    "streamed-gram": (_run_blocks, True, [(17, 130), (40, 70)]),
 }
 
 
@@ -298,7 +250,7 @@ def test_gather_and_apply_match_torch_bitwise(kernels, dtype):
 
 def _host_kernels(K):
     """The kernels the package launches from the host (``_*_kernel`` in the kernel modules)."""
-    modules = [K.spans, K.magma, K.newton_schulz, K.panel]
+    modules = [K.spans, K.magma, K.newton_schulz]
     return {getattr(m, n) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")}
 
 
@@ -307,7 +259,7 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
 
     An unaligned one would not be wrong, but a variant the compile process never built: a
     compile in the training process. One engine step over every path (one program per
-    matrix, panels, the torch path, Magma, the span kernels) records each launch's arguments.
+    matrix in registers or streamed, the torch path, Magma, the span kernels) records each launch's arguments.
     """
     import inspect
 
@@ -327,7 +279,7 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
 
         monkeypatch.setattr(kernel, "run", checked)
     gen = torch.Generator().manual_seed(0)
-    # one program per matrix, a panelled long matrix, one of the torch path, Adam parameters at odd lengths
+    # one program per matrix, a streamed long matrix, one of the torch path, Adam parameters at odd lengths
     shapes = [(32, 48), (16, 2048), (136, 140), (7,), (5, 3)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
     opt = HybridMuonOptimizer(params, lr=1e-3, magma_muon=True)
@@ -368,9 +320,9 @@ def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_th
     if dtype == torch.bfloat16 and device.type == "cpu":
         pytest.skip("bfloat16 vectors: on a GPU only (the interpreter computes them wrongly, NumPy has no bfloat16)")
     gen = torch.Generator().manual_seed(0)
-    # one program per matrix, a panelled long matrix, one of the torch path; the Adam vector gets a small gradient
+    # one program per matrix in registers, a long one streamed, one of the torch path; the Adam vector: a small gradient
     shapes = [(32, 48), (16, 2048), (136, 140), (7,)]
-    assert [K.launch_path(True, min(s), max(s)) for s in shapes[:3]] == ["program", "panel", None]
+    assert [(K.on_triton(min(s)), K.resident(min(s), max(s))) for s in shapes[:3]] == [(1, 1), (1, 0), (0, 0)]
     init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     top = float(torch.finfo(dtype).max) if scale is None else scale
     grads = []
@@ -438,8 +390,8 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
 
     The declarations (``common.Launch``, ``compile._launches``) are what the compile process
     warms up; a launch with other argument dtypes would be a variant compiled in the training
-    process. One engine step over matrices of every path (one program per matrix, Gram panels,
-    the torch path) with Magma and an Adam vector makes every kernel launch.
+    process. One engine step over matrices of every path (one program per matrix in registers or
+    streamed, the torch path) with Magma and an Adam vector makes every kernel launch.
     """
     from conftest import make_optimizer
 
@@ -461,8 +413,8 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
 
     monkeypatch.setattr(K.common.Launch, "__call__", checked)
     gen = torch.Generator().manual_seed(0)
-    shapes = [(32, 48), (16, 1100), (136, 140), (7,)]  # program, panels (Gram), torch path, Adam
-    assert [K.launch_path(True, *s) for s in shapes[:3]] == ["program", "panel", None]
+    shapes = [(32, 48), (16, 1100), (136, 140), (7,)]  # in registers, streamed (Gram), torch path, Adam
+    assert [(K.on_triton(min(s)), K.resident(min(s), max(s))) for s in shapes[:3]] == [(1, 1), (1, 0), (0, 0)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
     opt = make_optimizer(params, "engine-eager", lr=1e-3, enable_gram=True, magma_muon=True)
     for p in params:

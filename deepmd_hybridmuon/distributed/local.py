@@ -240,8 +240,7 @@ class OwnedKernels:
     (``engine.layout.assign``) gives each matrix its row of a path's metadata table (offset,
     sides, orientation, block), ``engine.layout.build_fused`` builds the tables, and each launch
     writes ``factor * O`` of its matrices straight into the output buffer: one program per matrix
-    (``orthogonalize_blocks``, or ``orthogonalize_panels`` for long Gram matrices) up to
-    ``kernels.MAX_ROWS``. Larger matrices keep the torch path, as do all of them until
+    (``orthogonalize_blocks``) up to ``kernels.MAX_ROWS``. Larger matrices keep the torch path, as do all of them until
     Triton has compiled the variants in the background (``engine.compilation``), for good if one
     fails to compile, and for buffers of other dtypes than the ones asked for. Built lazily,
     for the dtype and ``use_gram`` of the first call.

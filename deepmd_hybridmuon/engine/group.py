@@ -136,6 +136,5 @@ class GroupEngine:
             "kernels": kernels,
             "cuda_graph": self.executor.captured,
             "program_matrices": sum(len(f.meta) for f in L.fused_paths),
-            "panelled": any(f.panelled for f in L.fused_paths),
             "torch_matrices": [(rows, cols) for b in L.buckets for _, _, rows, cols, _, _ in b.members],
         }

@@ -76,14 +76,6 @@ class Fused:
     table: torch.Tensor | None = None
     work: torch.Tensor | None = None
     coefs: torch.Tensor | None = None
-    # the panel path of long matrices (kernels.orthogonalize_panels) and its workspaces
-    panelled: bool = False
-    panels: torch.Tensor | None = None
-    first: torch.Tensor | None = None
-    partial: torch.Tensor | None = None
-    down: torch.Tensor | None = None
-    q: torch.Tensor | None = None
-    inv: torch.Tensor | None = None
 
 
 def assign(
@@ -91,7 +83,7 @@ def assign(
 ) -> tuple[list[Fused], list[Bucket]]:
     """Group the Muon matrices (``(batch, rows, cols)`` per parameter, in flat order) into paths.
 
-    With the kernels module ``K``: by ``K.launch_path`` (one program per matrix, or panels); the rest
+    With the kernels module ``K``: one program per matrix where ``K.on_triton`` says so; the rest
     (everything without ``K``) into torch buckets.
     """
     fused: dict[tuple[bool, bool], Fused] = {}
@@ -100,8 +92,7 @@ def assign(
     for bs, rows, cols in views:
         gram = use_gram and rows != cols
         small, large = min(rows, cols), max(rows, cols)
-        path = K.launch_path(gram, small, large) if K is not None else None
-        if path in ("program", "panel"):  # grouped as resident or not; each group's path: build_fused
+        if K is not None and K.on_triton(small):  # one launch per iteration and residency
             f = fused.setdefault((gram, K.resident(small, large)), Fused(gram))
             f.rows, f.cols = max(f.rows, small), max(f.cols, large)
             # wide orientation: (r, c) of the m x n view is element (c, r) of a tall matrix
@@ -138,26 +129,11 @@ def build_fused(K: ModuleType, f: Fused, device: torch.device) -> None:
     size = 1 if K.resident(f.rows, f.cols) else f.size  # resident matrices need no workspace
     f.work = torch.zeros(size, dtype=K.work_dtype(f.use_gram), **kw)
     f.coefs = K.coefficient_table(f.use_gram, device)
-    f.panelled = K.launch_path(f.use_gram, f.rows, f.cols) == "panel"
-    if f.panelled:
-        panels, first = K.panel_table(f.meta)
-        bm = K.panel_block(f.rows)
-        f.panels = torch.tensor(panels, dtype=torch.int64, **kw)
-        f.first = torch.tensor(first, dtype=torch.int64, **kw)
-        f.partial = torch.zeros(len(panels), bm, bm, dtype=torch.float32, **kw)
-        f.down = torch.zeros(len(panels), dtype=torch.float32, **kw)
-        f.q = torch.zeros(len(f.meta), bm, bm, dtype=torch.float16, **kw)
-        f.inv = torch.zeros(len(f.meta), 2, dtype=torch.float32, **kw)
 
 
 def run_fused(K: ModuleType, f: Fused, src: torch.Tensor, dst: torch.Tensor, factor: torch.Tensor) -> None:
-    """The launches of ``f``, which write ``factor * O`` of its matrices: one program each, or Gram panels."""
-    if f.panelled:
-        K.orthogonalize_panels(
-            src, dst, f.work, f.table, f.panels, f.first, f.partial, f.down, f.q, f.inv, f.coefs, factor, f.rows
-        )
-    else:
-        K.orthogonalize_blocks(src, dst, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram)
+    """The launch of ``f``, which writes ``factor * O`` of its matrices, one program each."""
+    K.orthogonalize_blocks(src, dst, f.work, f.table, f.coefs, factor, f.rows, f.cols, f.use_gram)
 
 
 class Layout:

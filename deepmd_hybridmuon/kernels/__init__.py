@@ -7,19 +7,16 @@ specification; these kernels compute the same functions (``newton_schulz``,
 ``gram_newton_schulz``, ``magma_score``/``magma_scale_``, ``nesterov_momentum_``) in fewer
 launches, and read every schedule and constant from ``functional``: the coefficient rows
 as a device table (:func:`coefficient_table`), the Gram restarts as compile-time flags
-(:func:`gram_constants`, :func:`panel_launches`).
+(:func:`gram_constants`).
 
 Architecture, one module per kernel family:
 
 * :mod:`.common`: sizes, workspace dtypes, the per-matrix metadata table
-  (:class:`MetaColumn`), the schedule as kernel input, Triton helpers shared by the
-  Newton–Schulz families (loads, the polynomial, one Gram iteration).
+  (:class:`MetaColumn`), the schedule as kernel input, Triton helpers (loads, the
+  polynomial, one Gram iteration), and :func:`on_triton`: whether a matrix takes the Triton
+  kernel or the torch path, decided once for the engine's layout and the compile registry.
 * :mod:`.newton_schulz`: one program per matrix, smaller side up to :data:`MAX_ROWS`
   (:func:`orthogonalize_blocks`); ``X`` in registers or streamed through a workspace.
-* :mod:`.panel`: the Gram iteration of long matrices in column panels
-  (:func:`orthogonalize_panels`, one reduce and one apply launch per schedule segment).
-* :mod:`.paths`: which of these orthogonalises a matrix (:func:`launch_path`), decided once
-  for the engine's layout and the compile registry; larger matrices keep the torch path.
 * :mod:`.magma`: per-block Magma factors in two launches (:func:`magma_factors`).
 * :mod:`.spans`: gradients into the flat buffer, the momentum pass and the parameter
   update over tables of tensor addresses (:func:`gather`, :func:`momentum_update`,
@@ -49,20 +46,13 @@ from .common import (
     MetaColumn,
     coefficient_table,
     gram_constants,
+    on_triton,
     resident,
     work_dtype,
 )
 from .compile import KernelRegistry, prepare, set_up, wait_ready
 from .magma import MAGMA_PARTIALS, magma_chunks, magma_factors
 from .newton_schulz import orthogonalize_blocks
-from .panel import (
-    PANEL,
-    orthogonalize_panels,
-    panel_block,
-    panel_launches,
-    panel_table,
-)
-from .paths import launch_path
 from .spans import SPAN, apply_updates, gather, momentum_update, span_table
 
 common.settle_hashes()  # the same cache keys in every process (common.settle_hashes)
@@ -71,7 +61,6 @@ __all__ = [
     "MAGMA_PARTIALS",
     "MAX_ROWS",
     "META_COLS",
-    "PANEL",
     "SPAN",
     "KernelRegistry",
     "MetaColumn",
@@ -81,15 +70,11 @@ __all__ = [
     "compile",
     "gather",
     "gram_constants",
-    "launch_path",
     "magma_chunks",
     "magma_factors",
     "momentum_update",
+    "on_triton",
     "orthogonalize_blocks",
-    "orthogonalize_panels",
-    "panel_block",
-    "panel_launches",
-    "panel_table",
     "prepare",
     "resident",
     "set_up",

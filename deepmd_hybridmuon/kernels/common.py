@@ -22,7 +22,7 @@ from .. import functional as F
 
 #: Largest smaller side handled by one program: the ``m x m`` float32 accumulators of a
 #: 128 x 128 matrix take 64 registers per thread at 8 warps; larger matrices need several
-#: programs per matrix and stay on the batched torch path.
+#: programs per matrix and stay on the batched torch path (:func:`on_triton`).
 MAX_ROWS: int = 128
 #: Columns of ``X`` per chunk of the streamed products (a multiple of 16 for ``tl.dot``).
 CHUNK: int = 64
@@ -36,7 +36,7 @@ GRAM_WORK_DTYPE: torch.dtype = torch.float16
 
 
 class MetaColumn(IntEnum):
-    """Columns of the metadata table of the program-per-matrix and panel kernels, one row per matrix.
+    """Columns of the metadata table of the program-per-matrix kernel, one row per matrix.
 
     The matrix in its wide orientation (``M <= N``) is read at ``SRC + r * ROW_STRIDE + c *
     COL_STRIDE`` of the flat vectors; ``WORK`` is its offset in the workspace and ``BLOCK``
@@ -91,11 +91,11 @@ def settle_hashes() -> None:
     gathers a helper's globals only if that helper was hashed before, in that process; hashing
     is lazy, at a function's first launch. So the same kernel got two cache keys, depending on
     which kernels a process had launched before. Measured (``dp --pt train`` of DPA-3 water,
-    cold cache): the compile process made ``_panel_gram_kernel`` without the ``_META_*``
-    constants of ``_matrix_meta``; the training process had launched the Newton–Schulz kernel
-    (which calls ``_matrix_meta``) first, missed the cache, and compiled the kernel again in the
-    training loop (a step of 0.35 s). Importing :mod:`deepmd_hybridmuon.kernels` calls this, so
-    every process hashes everything in the same way before its first launch.
+    cold cache): the compile process made a kernel without the ``_META_*`` constants of
+    ``_matrix_meta``; the training process had launched another kernel that calls ``_matrix_meta``
+    first, missed the cache, and compiled the kernel again in the training loop (a step of
+    0.35 s). Importing :mod:`deepmd_hybridmuon.kernels` calls this, so every process hashes
+    everything in the same way before its first launch.
     """
     done: set[int] = set()
 
@@ -227,6 +227,15 @@ def gram_constants() -> dict[str, tuple[int, ...]]:
 def _gram_constants(schedule: F.GramSchedule) -> tuple[tuple[str, tuple[int, ...]], ...]:
     flags = {"RESTARTS": schedule.restarts, "FRESH_Q": schedule.fresh_q, "UPDATES_R": schedule.updates_r}
     return tuple((name, tuple(int(f) for f in values)) for name, values in flags.items())
+
+
+def on_triton(rows: int) -> bool:
+    """Whether one Triton program orthogonalises a matrix whose smaller side is ``rows``; else the torch path.
+
+    The one decision of a matrix's path: the engine's layout, the FSDP2 owners (through the layout's
+    :func:`~deepmd_hybridmuon.engine.layout.assign`) and the compile registry's variants all ask it.
+    """
+    return rows <= MAX_ROWS
 
 
 def resident(rows: int, cols: int) -> bool:

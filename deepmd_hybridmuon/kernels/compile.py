@@ -10,7 +10,7 @@ per machine, in the set-up thread below).
 * A variant is identified by a key (:func:`_launch_key` plus device index and dtype) and
   made of the launches :func:`_launches` gathers for it: the :class:`.common.Launch` objects
   each kernel family declares once (``spans.span_launches``, ``magma.magma_launches``,
-  ``newton_schulz.blocks_launch``, ``panel.panel_variant``) and
+  ``newton_schulz.blocks_launch``) and
   its launchers launch through. The launched kernels take no value specialisation
   (:func:`.common.kernel`), so a variant is fixed by what those declarations hold; the compile
   process warms each one up from them, and the engine's real launches find exactly those binaries.
@@ -52,11 +52,9 @@ from typing import Any
 
 import torch
 
-from .common import Launch
+from .common import Launch, on_triton
 from .magma import magma_launches
 from .newton_schulz import blocks_launch, blocks_options
-from .panel import panel_block, panel_variant
-from .paths import launch_path
 from .spans import span_launches
 
 log = logging.getLogger("deepmd.hybridmuon")
@@ -471,10 +469,7 @@ def _warm_up(key: Key, device: torch.device) -> None:
 
 
 def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
-    path = launch_path(use_gram, rows, cols)
-    if path == "panel":
-        return ("panel", panel_block(rows))
-    if path == "program":
+    if on_triton(rows):
         return ("ns", blocks_options(rows, cols, use_gram))
     raise ValueError(f"no Triton kernel orthogonalises a {rows} x {cols} matrix (the torch path does)")
 
@@ -486,7 +481,4 @@ def _launches(key: Key) -> list[Launch]:
         return list(magma_launches(dtype))
     if kind == "spans":
         return list(span_launches(dtype))
-    if kind == "panel":
-        gram, segments = panel_variant(dtype, key[1])
-        return [gram, *(launch for pair in segments for launch in pair)]
     return [blocks_launch(dtype, key[1])]

@@ -8,8 +8,8 @@ Each program of a launch takes one matrix of the metadata table
 * the ``m x m`` products (``A = X X^T``, the polynomial, the Gram matrix and the
   accumulated transform) stay in registers; so does ``X`` (``m x n``) when it fits
   (:func:`~deepmd_hybridmuon.kernels.common.resident`), otherwise it lives in a per-matrix
-  slice of a bf16 workspace and is streamed through in column chunks of ``CHUNK``
-  (standard iteration only: the Gram iteration of such matrices takes the panel path);
+  slice of the workspace and is streamed through in column chunks of ``CHUNK`` (the Gram
+  iteration passes over it only to form its Gram matrix, at the restarts and at the end);
 * the result, times the block's factor (Muon scale x Magma x -lr, computed on the device
   before), is written to the flat output vector in the parameter's own layout.
 
@@ -44,7 +44,6 @@ from .common import (
     resident,
     work_dtype,
 )
-from .panel import panelled
 
 
 @helper
@@ -88,8 +87,8 @@ def _newton_schulz_kernel(
     """Program ``i``: Newton–Schulz of row ``i`` of the metadata table; ``scale * O`` into ``dst``.
 
     The standard iteration runs ``n_steps`` rows of the coefficient table; the Gram one
-    (``GRAM``, resident matrices only) the iterations of ``RESTARTS``, ``FRESH_Q`` and
-    ``UPDATES_R`` (:func:`~deepmd_hybridmuon.kernels.common.gram_constants`), unrolled.
+    (``GRAM``) the iterations of ``RESTARTS``, ``FRESH_Q`` and ``UPDATES_R``
+    (:func:`~deepmd_hybridmuon.kernels.common.gram_constants`), unrolled.
     """
     src_off, work_off, m, n, s_r, s_c, block = _matrix_meta(meta_ptr, tl.program_id(0))
     rows = tl.arange(0, BM)
@@ -141,12 +140,23 @@ def _newton_schulz_kernel(
             g = _load_chunk(src, rows, c0 + cols, m, n, s_r, s_c).to(tl.float32)
             _store_chunk(work, (g * down * inv).to(wdtype), rows, c0 + cols, m, n, n, 1)
         tl.debug_barrier()
-        # (The Gram iteration of long matrices takes the panel path, orthogonalize_panels.)
-        for k in range(n_steps):
-            a = tl.load(coef_ptr + 3 * k)
-            B = _quintic_polynomial(_gram(work, rows, cols, m, n, BM, BN).to(wdtype), coef_ptr, k)
+        if GRAM:  # X is read to form R, written at the restarts and at the end: X <- Q X
+            R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
+            Q = eye.to(wdtype)
+            for k in tl.static_range(len(RESTARTS)):
+                if RESTARTS[k]:
+                    tl.debug_barrier()
+                    _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
+                    R = _gram(work, rows, cols, m, n, BM, BN).to(wdtype)
+                R, Q = _polar_express_step(R, Q, eye, coef_ptr, k, FRESH_Q[k], UPDATES_R[k])
             tl.debug_barrier()
-            _apply_left(work, B, rows, cols, m, n, a, BN)
+            _apply_left(work, Q, rows, cols, m, n, 0.0, BN)
+        else:
+            for k in range(n_steps):
+                a = tl.load(coef_ptr + 3 * k)
+                B = _quintic_polynomial(_gram(work, rows, cols, m, n, BM, BN).to(wdtype), coef_ptr, k)
+                tl.debug_barrier()
+                _apply_left(work, B, rows, cols, m, n, a, BN)
         # out = scale * X in the source layout and the output's dtype.
         for c0 in range(0, n, BN):
             x = _load_chunk(work, rows, c0 + cols, m, n, n, 1).to(tl.float32)
@@ -183,11 +193,8 @@ def orthogonalize_blocks(
     rows, cols
         Largest smaller and larger side among the matrices (``rows <= MAX_ROWS``).
     use_gram
-        Gram Newton–Schulz (rectangular matrices) instead of the standard iteration; only
-        for :func:`resident` matrices (long ones: :func:`orthogonalize_panels`).
+        Gram Newton–Schulz (rectangular matrices) instead of the standard iteration.
     """
-    if panelled(use_gram, rows, cols):
-        raise ValueError(f"a {rows} x {cols} matrix takes the Gram iteration in panels: orthogonalize_panels")
     launch = blocks_launch(src.dtype, blocks_options(rows, cols, use_gram))
     launch((meta.size(0),), src, dst, work, meta, coefs, scale, coefs.size(0), F.NS_EPS)
 
