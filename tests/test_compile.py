@@ -90,8 +90,8 @@ def test_the_real_worker_reports_each_variant_and_the_engine_keeps_the_torch_pat
         assert pending is not None and not pending.is_set()  # a child process compiles
         assert pending.wait(300), "the compile process did not finish"
     failures = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
-    # one line per variant: standard program (32 x 48), Gram program streamed (64 x 512), spans, Magma
-    assert len(failures) == 4, failures
+    # one line per variant: standard program (32 x 48), Gram program streamed (64 x 512), Magma
+    assert len(failures) == 3, failures
     assert all("torch kernels instead" in line for line in failures)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
@@ -120,9 +120,9 @@ def test_variants_in_flight_are_not_compiled_twice(monkeypatch, tmp_path):
         second = K.prepare(GPU, torch.float32, PATHS, magma=True)  # another param_group, same variants
         assert first is not None and second is not None
         assert len(registry.workers) == started
-        # four variants (standard program, streamed Gram program, spans, Magma), each compiled by one process
+        # three variants (standard program, streamed Gram program, Magma), each compiled by one process
         compiling = [repr(key) for w in registry.workers for key in w.keys]
-        assert len(compiling) == len(set(compiling)) == 4
+        assert len(compiling) == len(set(compiling)) == 3
         assert not K.wait_ready(0)
     finally:
         registry.close()
@@ -149,17 +149,17 @@ def test_compiled_variants_load_one_per_step_and_a_later_run_needs_no_compile_pr
     for worker in first.workers:
         worker.process.wait(60)
     first.setup.join()  # Triton's set-up: no variant loads before it is done (off this thread)
-    seen = [(pending.is_set(), len(loaded)) for _ in range(4)]  # standard program, streamed Gram program, spans, Magma
-    assert seen == [(False, 1), (False, 2), (False, 3), (True, 4)]
+    seen = [(pending.is_set(), len(loaded)) for _ in range(3)]  # standard program, streamed Gram program, Magma
+    assert seen == [(False, 1), (False, 2), (True, 3)]
     # A later run with the same cache: no compile process (its stand-in would leave the
     # marker file); the variants load the same way, one per poll, from the first step on.
     marker = tmp_path / "started"
     later = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=ledger)
     pending = later.prepare(GPU, torch.float32, PATHS, magma=True)
-    assert pending is not None and len(loaded) == 4
+    assert pending is not None and len(loaded) == 3
     assert pending.wait(0)
     assert not later.workers and not marker.exists()
-    assert sorted(map(repr, loaded[4:])) == sorted(map(repr, loaded[:4]))
+    assert sorted(map(repr, loaded[3:])) == sorted(map(repr, loaded[:3]))
     # A variant the cache has never held still goes to a compile process, and only that one.
     try:
         pending = later.prepare(GPU, torch.float32, [*PATHS, (True, 32, 4096)], magma=True)
@@ -171,7 +171,7 @@ def test_compiled_variants_load_one_per_step_and_a_later_run_needs_no_compile_pr
     other = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=tmp_path / "other")
     try:
         assert not other.prepare(GPU, torch.float32, PATHS, magma=True).is_set()
-        assert sum(len(w.keys) for w in other.workers) == 4
+        assert sum(len(w.keys) for w in other.workers) == 3
     finally:
         other.close()
 
@@ -190,7 +190,6 @@ def test_the_ledger_lives_in_tritons_cache_folder(monkeypatch, tmp_path):
 
 # One variant key of every kind the registry asks for (prepare()'s keys, dtype last).
 KINDS = [
-    ("spans", 0, torch.float32),
     ("magma", 0, torch.float32),
     (*K.compile._launch_key(False, 32, 48), 0, torch.float32),  # one program per matrix
     (*K.compile._launch_key(True, 64, 4096), 0, torch.float32),  # the Gram iteration, streamed

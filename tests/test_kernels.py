@@ -201,56 +201,9 @@ def test_magma_kernel_matches_the_reference(kernels, scale):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gather_and_apply_match_torch_bitwise(kernels, dtype):
-    """The address-table kernels: gradients into a flat buffer, then p * decay + delta."""
-    K, device = kernels
-    gen = torch.Generator().manual_seed(4)
-    sizes = [5, 1, K.SPAN + 3, 2 * K.SPAN]  # spans end inside a tensor and at its end
-    grads = [torch.randn(n, generator=gen, dtype=dtype).to(device) for n in sizes]
-    params = [torch.randn(n, generator=gen, dtype=dtype).to(device) for n in sizes]
-    decay_index = [0, 1, 2, 1]
-    adam = [False, False, False, True]
-    spans = torch.tensor(K.span_table(sizes, decay_index, adam), dtype=torch.int64, device=device)
-    flat = torch.full((sum(sizes),), float("nan"), dtype=dtype, device=device)
-    finite = torch.full((spans.size(0),), -1.0, device=device)
-    addresses = torch.tensor([g.data_ptr() for g in grads], device=device)
-    K.gather(addresses, spans, flat, finite)
-    assert torch.equal(flat, torch.cat(grads))
-    assert finite.tolist() == [1.0] * spans.size(0)
-    grads[2][K.SPAN + 1] = float("inf")  # in the second span of the third tensor
-    grads[0][4] = float("nan")
-    K.gather(addresses, spans, flat, finite)
-    assert finite.tolist() == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
-    # An element at half its compute dtype's largest number stops the step too (functional.finite_gate).
-    limit = torch.tensor(F.GRAD_LIMIT, dtype=torch.float32)
-    below = torch.nextafter(limit, torch.zeros(()))  # float32's: a float64 one above it rounds to the limit
-    grads[0][4], grads[2][K.SPAN + 1] = 1.0, 1.0
-    grads[3][0], grads[1][0] = -limit.to(dtype), below.to(dtype)
-    K.gather(addresses, spans, flat, finite)
-    assert finite.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
-    # An Adam tensor's limit is lower: ADAM_GRAD_LIMIT stops it, the largest number below passes.
-    adam_limit = torch.tensor(F.ADAM_GRAD_LIMIT, dtype=torch.float32)
-    grads[3][0], grads[1][0] = 1.0, 1.0
-    grads[3][K.SPAN + 2] = torch.nextafter(adam_limit, torch.zeros(())).to(dtype)
-    K.gather(addresses, spans, flat, finite)
-    assert finite.tolist() == [1.0] * spans.size(0)
-    grads[3][K.SPAN + 2] = adam_limit.to(dtype)
-    grads[0][0] = adam_limit.to(dtype)  # not an Adam tensor: below its limit
-    K.gather(addresses, spans, flat, finite)
-    assert finite.tolist() == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
-
-    decays = torch.tensor([1.0, 0.999, 0.5], dtype=dtype, device=device)
-    delta = torch.randn(sum(sizes), generator=gen, dtype=dtype).to(device)
-    expected = [p * decays[d] + u for p, d, u in zip(params, decay_index, delta.split(sizes), strict=True)]
-    K.apply_updates(torch.tensor([p.data_ptr() for p in params], device=device), spans, delta, decays)
-    for p, e in zip(params, expected, strict=True):
-        assert torch.equal(p, e)  # two roundings, as torch's multiply then add: bitwise
-
-
 def _host_kernels(K):
     """The kernels the package launches from the host (``_*_kernel`` in the kernel modules)."""
-    modules = [K.spans, K.magma, K.newton_schulz]
+    modules = [K.magma, K.newton_schulz]
     return {getattr(m, n) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")}
 
 
@@ -259,7 +212,7 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
 
     An unaligned one would not be wrong, but a variant the compile process never built: a
     compile in the training process. One engine step over every path (one program per
-    matrix in registers or streamed, the torch path, Magma, the span kernels) records each launch's arguments.
+    matrix in registers or streamed, the torch path, Magma) records each launch's arguments.
     """
     import inspect
 
@@ -367,7 +320,7 @@ def test_huge_finite_muon_gradients_leave_every_parameter_and_state_finite_on_th
 
 
 def test_adam_gradient_beyond_its_limit_skips_the_step_on_the_kernels(kernels):
-    """An Adam gradient at ADAM_GRAD_LIMIT stops the whole step on the Triton path too (the gather kernel's flag)."""
+    """An Adam gradient at ADAM_GRAD_LIMIT stops the whole step with the Triton kernels too."""
     from deepmd_hybridmuon import HybridMuonOptimizer
 
     _, device = kernels
@@ -423,36 +376,11 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
     assert opt.execution_table()[0]["kernels"] == "triton"
     assert launched == set(K.common.ALIGNED)
     # ... and each launch is one of those the compile process warms up for this group's variants
-    keys = [("spans", None, torch.float32), ("magma", None, torch.float32)]
+    keys = [("magma", None, torch.float32)]
     keys += [(*K.compile._launch_key(True, *s), None, torch.float32) for s in shapes[:2]]
     declared = {launch for key in keys for launch in K.compile._launches(key)}
     for launch in seen:
         assert launch in declared, launch
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_momentum_kernel_matches_the_reference(kernels, dtype):
-    K, device = kernels
-    gen = torch.Generator().manual_seed(8)
-    n = 3000
-    beta = 0.95
-    betas = torch.tensor([beta, 1.0 - beta], dtype=dtype, device=device)
-    for ok in (1.0, 0.0):
-        grad = torch.randn(n, generator=gen, dtype=dtype).to(device)
-        grad[7] = float("nan") if ok == 0.0 else grad[7]
-        mom = torch.randn(n, generator=gen, dtype=dtype).to(device)
-        ref_mom = mom.clone()
-        gate = torch.tensor(ok, device=device)
-        ref_update = F.nesterov_momentum_(ref_mom, F.sanitize(grad, gate), beta, gate)
-        update = torch.empty_like(mom)
-        K.momentum_update(grad, mom, update, gate, betas)
-        # torch's lerp formula; either side may fuse a multiply-add (vectorised CPU code, nvcc),
-        # which moves the result by about one rounding of the operands (|x| < 6 here), not of the result
-        tol = 8 * torch.finfo(dtype).eps * 6
-        torch.testing.assert_close(mom, ref_mom, rtol=0, atol=tol)
-        torch.testing.assert_close(update, ref_update, rtol=0, atol=tol)
-        if ok == 0.0:
-            assert torch.equal(grad, torch.zeros_like(grad))  # sanitised in place
 
 
 def test_a_kernel_that_does_not_compile_leaves_the_torch_path(monkeypatch, caplog):

@@ -235,7 +235,7 @@ def _matrix_and_bias_run(impl: str, device: torch.device, seed: int, steps: int,
 
 
 def test_triton_engine_reads_non_contiguous_gradients(kernels):
-    """The gather kernel reads gradients in place; a non-contiguous one is copied first."""
+    """A non-contiguous gradient (a transposed view) steps as its contiguous copy, with the Triton kernels."""
     _, device = kernels
 
     def transposed(step, w, b, gen):

@@ -2,17 +2,15 @@
 
 The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`), batched:
 
-* in: the gradients sit in the flat gradient buffer (the torch path: copied there by
-  :mod:`.execution`; the Triton path: one launch reads them through their addresses and
-  flags each non-finite span) and are checked for non-finite values;
+* in: the gradients sit in the flat gradient buffer (copied there by :mod:`.execution`) and
+  are checked for non-finite values;
 * Adam/AdamW: a few flat moment/denominator kernels into the update buffer;
-* Muon: momentum and Nesterov update (one kernel with Triton), then per matrix a factor
+* Muon: momentum and Nesterov update over the flat buffers, then per matrix a factor
   (Muon scale x Magma x -lr) and the orthogonalised update times that factor: the
   layout's Triton launches and zero-padded torch stacks (zero padding
   commutes with both Newton–Schulz variants in exact arithmetic: zero rows and columns
   stay zero, the Gram matrix of the real rows is unchanged; only rounding differs);
-* out: ``p <- p * decay + update`` (a ``_foreach_mul_`` and a ``_foreach_add_``; with the
-  Triton kernels, one launch over a table of the parameters' addresses).
+* out: ``p <- p * decay + update`` (a ``_foreach_mul_`` and a ``_foreach_add_``).
 
 :meth:`BatchedStep.compute` reads only static tensors (the layout's buffers and a
 :class:`StepInputs`), so it can be captured in a CUDA graph; the host part of a step is
@@ -47,18 +45,13 @@ SCALARS = PARAM_DTYPE_SCALARS + 3
 class StepInputs:
     """The device tensors through which a step's changing inputs reach :meth:`BatchedStep.compute`.
 
-    Allocated once per engine (a captured graph reads them at fixed addresses):
-    ``staged`` is one int64 buffer holding the float64 scalars of :meth:`BatchedStep.scalars`
-    (``scalars``) and, with the Triton kernels, the gradients' addresses (``addresses``); ``ok``
-    is the finite gate agreed across ranks (used with ``nonfinite_across_ranks`` only).
+    Allocated once per engine (a captured graph reads them at fixed addresses): ``scalars``
+    holds the float64 scalars of :meth:`BatchedStep.scalars`; ``ok`` is the finite gate agreed
+    across ranks (used with ``nonfinite_across_ranks`` only).
     """
 
     def __init__(self, layout: Layout) -> None:
-        n = SCALARS + 2 * len(layout.adam)
-        size = n + (len(layout.staged) if layout.triton else 0)
-        self.staged = torch.zeros(size, dtype=torch.int64, device=layout.device)
-        self.scalars = self.staged[:n].view(torch.float64)
-        self.addresses = self.staged[n:]
+        self.scalars = torch.zeros(SCALARS + 2 * len(layout.adam), dtype=torch.float64, device=layout.device)
         self.ok = torch.ones((), dtype=torch.float32, device=layout.device)
 
 
@@ -86,9 +79,9 @@ class BatchedStep:
         self.shared_gate = shared_gate
         self.K = compilation.kernels() if layout.triton else None
         self.ok = inputs.ok  # the last step's finite gate (compute)
-        # step.run: a taken step on the CPU runs the torch path without the gating arithmetic (the Triton
-        # kernels, which run there under Triton's interpreter in the tests, take the gate)
-        self.ungated = not layout.triton
+        # step.run: a taken step on the CPU runs without the gating arithmetic (the Magma kernel, which
+        # runs there under Triton's interpreter in the tests, takes the gate)
+        self.ungated = not layout.magma_kernel
 
     # ------------------------------------------------------------------ host
 
@@ -137,9 +130,6 @@ class BatchedStep:
     def gate(self) -> torch.Tensor:
         """1.0, or 0.0 when a gradient is not finite or beyond its limit (functional.finite_gate)."""
         L = self.layout
-        if L.triton:  # the copy in also flags the spans a step cannot take
-            self.K.gather(self.inputs.addresses, L.spans, L.grad, L.span_finite)
-            return self.inputs.ok if self.shared_gate else L.span_finite.amin()
         return self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
 
     def adam(self, ok: torch.Tensor | None) -> None:
@@ -183,10 +173,6 @@ class BatchedStep:
     def _apply(self, muon_decay: torch.Tensor, adamw_decay: torch.Tensor) -> None:
         """p <- p * decay + delta for every parameter (decay: Muon's, AdamW's, or none for Adam)."""
         L = self.layout
-        if L.triton:  # one pass
-            decays = torch.stack([torch.ones_like(muon_decay), muon_decay, adamw_decay])
-            self.K.apply_updates(L.param_addresses, L.spans, L.delta, decays)
-            return
         if L.weight_decay:
             if L.adamw:
                 torch._foreach_mul_(L.adamw, adamw_decay)
@@ -218,14 +204,10 @@ class BatchedStep:
         (unscaled; still being computed on the side streams when captured).
         """
         L = self.layout
-        if L.triton:  # one pass; muon_grad is sanitised in place
-            grads, update = L.muon_grad, L.update
-            self.K.momentum_update(grads, L.momentum, update, ok, betas)
-        else:
-            grads = F.sanitize(L.muon_grad, ok)
-            L.momentum.lerp_(grads, one_minus_beta if ok is None else ok.to(L.dtype) * one_minus_beta)
-            compute = betas.dtype  # the loop's lerp with a Python-float weight computes in it too
-            update = torch.lerp(grads.to(compute), L.momentum.to(compute), betas[0]).to(L.dtype)
+        grads = F.sanitize(L.muon_grad, ok)
+        L.momentum.lerp_(grads, one_minus_beta if ok is None else ok.to(L.dtype) * one_minus_beta)
+        compute = betas.dtype  # the loop's lerp with a Python-float weight computes in it too
+        update = torch.lerp(grads.to(compute), L.momentum.to(compute), betas[0]).to(L.dtype)
         stacks = []
         for i, b in enumerate(L.buckets):
             with lanes.lane(i):

@@ -6,9 +6,8 @@ Contract of :class:`Executor`:
   buffers and the step's :class:`~.batched.StepInputs`. Everything that changes from step
   to step enters through :meth:`Executor.stage`, before the arithmetic runs: the
   step's scalars (learning rate, decays, momentum, betas, each Adam parameter's bias
-  corrections: :meth:`~.batched.BatchedStep.scalars`; with the Triton kernels also the
-  gradients' addresses) in ONE host-to-device copy from a pinned buffer, the gradients by a
-  ``_foreach_copy_`` into the flat gradient buffer (torch path), the finite gate agreed
+  corrections: :meth:`~.batched.BatchedStep.scalars`) in ONE host-to-device copy from a
+  pinned buffer, the gradients by a ``_foreach_copy_`` into the flat gradient buffer, the finite gate agreed
   across ranks by a device copy. Nothing in a step synchronises the host with the GPU.
 * **Pinned ring.** The host buffers are a ring of four pinned tensors; one is reused
   once the copy that last read it has run (its event; at once, in practice).
@@ -71,19 +70,15 @@ class Executor:
         layout = step.layout
         self.step = step
         self.device = layout.device
-        self.triton = layout.triton
         self.use_graph = use_graph and self.device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_steps = 0
         self.grad_views = layout.grad_views
-        self.kept: list[torch.Tensor] = []  # gradients the Triton gather reads by address this step
-        # Host side of StepInputs.staged: a ring of pinned buffers.
+        # Host side of StepInputs.scalars: a ring of pinned buffers.
         pinned = self.device.type == "cuda"
-        size = step.inputs.staged.numel()
-        self.host = [torch.zeros(size, dtype=torch.int64, device="cpu", pin_memory=pinned) for _ in range(RING)]
-        n = step.inputs.scalars.numel()
-        self.host_scalars = [h[:n].view(torch.float64).numpy() for h in self.host]  # writable views
-        self.host_addresses = [h[n:].numpy() for h in self.host]
+        size = step.inputs.scalars.numel()
+        self.host = [torch.zeros(size, dtype=torch.float64, device="cpu", pin_memory=pinned) for _ in range(RING)]
+        self.host_scalars = [h.numpy() for h in self.host]  # writable views
         self.events = [torch.cuda.Event() if pinned else None for _ in self.host]
         self.turn = 0
 
@@ -95,14 +90,8 @@ class Executor:
         if event is not None:
             event.synchronize()  # the copy that last read this buffer has run (at once, in practice)
         self.host_scalars[turn][:] = scalars
-        if self.triton:
-            # The gather kernel reads the gradients where they are (contiguous ones; a copy
-            # of any other, kept alive here until the step has run).
-            self.kept = [g if g.is_contiguous() else g.contiguous() for g in grads]
-            self.host_addresses[turn][:] = [g.data_ptr() for g in self.kept]
-        else:
-            torch._foreach_copy_(self.grad_views, grads)
-        inputs.staged.copy_(host, non_blocking=event is not None)
+        torch._foreach_copy_(self.grad_views, grads)
+        inputs.scalars.copy_(host, non_blocking=event is not None)
         if event is not None:
             event.record()
         if shared is not None:

@@ -174,7 +174,7 @@ class Layout:
         # One flat gradient buffer and one flat update buffer, Adam parameters first: one
         # copy in, one finite check and one update pass per step.
         self.staged = self.adam + [p for p, _ in self.muon]
-        # where the parameters live: the Triton update and a captured graph write through these addresses
+        # where the parameters live: a captured graph writes through these addresses
         self.storage = [p.data_ptr() for p in self.staged]
         self.shapes = [p.shape for p in self.staged]  # a new shape in the same storage rebuilds too
         self.numels = [p.numel() for p in self.staged]
@@ -248,7 +248,7 @@ class Layout:
         for f in fused:
             build_fused(K, f, self.device)
         self.fused_paths = fused
-        self.triton = K is not None  # also copies the gradients in and applies the updates
+        self.triton = K is not None
         self.magma_kernel = self.triton and self.magma
         if self.magma_kernel:
             bounds, first = K.magma_chunks(lengths)
@@ -258,22 +258,8 @@ class Layout:
         for b in buckets:
             self._build_bucket(b)
         self.buckets = buckets
-        if self.triton:
-            self._build_spans(K)
 
     # ------------------------------------------------------------------ tables
-
-    def _build_spans(self, K: ModuleType) -> None:
-        """The address-table kernels' spans (with each span's decay) and their buffers."""
-        kw = {"device": self.device}
-        adamw = {id(p) for p in self.adamw} if self.weight_decay else set()
-        decays = [2 if id(p) in adamw else 0 for p in self.adam]
-        decays += [1 if self.weight_decay else 0] * len(self.muon)
-        adam = [True] * len(self.adam) + [False] * len(self.muon)
-        self.spans = torch.tensor(K.span_table(self.numels, decays, adam), dtype=torch.int64, **kw)
-        self.span_finite = torch.ones(self.spans.size(0), dtype=torch.float32, **kw)
-        self.update = torch.zeros_like(self.momentum)
-        self.param_addresses = torch.tensor(self.storage, dtype=torch.int64, **kw)
 
     def _build_bucket(self, b: Bucket) -> None:
         """The views into and out of a torch bucket's zero-padded stack, and the stack."""

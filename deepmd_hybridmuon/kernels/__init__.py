@@ -4,7 +4,7 @@ The batched engine (:mod:`deepmd_hybridmuon.engine`) uses this package when ``fl
 (CUDA, or Triton's CPU interpreter under ``TRITON_INTERPRET=1``). The per-tensor loop
 (:mod:`deepmd_hybridmuon.loop`) and the functions of :mod:`deepmd_hybridmuon.functional` stay the
 specification; these kernels compute the same functions (``newton_schulz``,
-``gram_newton_schulz``, ``magma_score``/``magma_scale_``, ``nesterov_momentum_``) in fewer
+``gram_newton_schulz``, ``magma_score``/``magma_scale_``) in fewer
 launches, and read every schedule and constant from ``functional``: the coefficient rows
 as a device table (:func:`coefficient_table`), the Gram restarts as compile-time flags
 (:func:`gram_constants`).
@@ -18,9 +18,6 @@ Architecture, one module per kernel family:
 * :mod:`.newton_schulz`: one program per matrix, smaller side up to :data:`MAX_ROWS`
   (:func:`orthogonalize_blocks`); ``X`` in registers or streamed through a workspace.
 * :mod:`.magma`: per-block Magma factors in two launches (:func:`magma_factors`).
-* :mod:`.spans`: gradients into the flat buffer, the momentum pass and the parameter
-  update over tables of tensor addresses (:func:`gather`, :func:`momentum_update`,
-  :func:`apply_updates`).
 * :mod:`.compile`: compilation of the variants in a child process, tracked by one
   :class:`KernelRegistry` (:data:`registry`; :func:`prepare`, :func:`wait_ready`), whose
   :class:`~.compile.Ledger` lists the variants already in Triton's disk cache (they load at once).
@@ -53,7 +50,6 @@ from .common import (
 from .compile import KernelRegistry, prepare, set_up, wait_ready
 from .magma import MAGMA_PARTIALS, magma_chunks, magma_factors
 from .newton_schulz import orthogonalize_blocks
-from .spans import SPAN, apply_updates, gather, momentum_update, span_table
 
 common.settle_hashes()  # the same cache keys in every process (common.settle_hashes)
 
@@ -61,24 +57,19 @@ __all__ = [
     "MAGMA_PARTIALS",
     "MAX_ROWS",
     "META_COLS",
-    "SPAN",
     "KernelRegistry",
     "MetaColumn",
-    "apply_updates",
     "coefficient_table",
     "common",
     "compile",
-    "gather",
     "gram_constants",
     "magma_chunks",
     "magma_factors",
-    "momentum_update",
     "on_triton",
     "orthogonalize_blocks",
     "prepare",
     "resident",
     "set_up",
-    "span_table",
     "wait_ready",
     "work_dtype",
 ]

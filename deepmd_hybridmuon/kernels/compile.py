@@ -9,8 +9,7 @@ per machine, in the set-up thread below).
 
 * A variant is identified by a key (:func:`_launch_key` plus device index and dtype) and
   made of the launches :func:`_launches` gathers for it: the :class:`.common.Launch` objects
-  each kernel family declares once (``spans.span_launches``, ``magma.magma_launches``,
-  ``newton_schulz.blocks_launch``) and
+  each kernel family declares once (``magma.magma_launches``, ``newton_schulz.blocks_launch``) and
   its launchers launch through. The launched kernels take no value specialisation
   (:func:`.common.kernel`), so a variant is fixed by what those declarations hold; the compile
   process warms each one up from them, and the engine's real launches find exactly those binaries.
@@ -55,7 +54,6 @@ import torch
 from .common import Launch, on_triton
 from .magma import magma_launches
 from .newton_schulz import blocks_launch, blocks_options
-from .spans import span_launches
 
 log = logging.getLogger("deepmd.hybridmuon")
 
@@ -267,7 +265,7 @@ class KernelRegistry:
     def prepare(
         self, device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]], magma: bool
     ) -> _Pending | None:
-        """Ask for the variants of ``paths`` ((use_gram, rows, cols) per launch), spans and Magma.
+        """Ask for the variants of ``paths`` ((use_gram, rows, cols) per launch) and Magma's.
 
         Returns an object whose ``is_set()`` becomes true once they are all loaded in this
         process: at once on the CPU (Triton's interpreter compiles nothing) or when
@@ -277,7 +275,6 @@ class KernelRegistry:
         was logged once).
         """
         keys = {(*_launch_key(g, r, c), device.index, dtype) for g, r, c in paths}
-        keys.add(("spans", device.index, dtype))
         if magma:
             keys.add(("magma", device.index, dtype))
         pending = _Pending(self, frozenset(keys))
@@ -479,6 +476,4 @@ def _launches(key: Key) -> list[Launch]:
     kind, dtype = key[0], key[-1]
     if kind == "magma":
         return list(magma_launches(dtype))
-    if kind == "spans":
-        return list(span_launches(dtype))
     return [blocks_launch(dtype, key[1])]
