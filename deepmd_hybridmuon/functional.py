@@ -480,12 +480,19 @@ def muon_scale(rows: int, cols: int, lr_adjust: float, lr_adjust_coeff: float) -
 
 
 def nesterov_momentum_(
-    buf: torch.Tensor, grad: torch.Tensor, momentum: float, ok: torch.Tensor | None = None
+    buf: torch.Tensor, grad: torch.Tensor, momentum: float | torch.Tensor, ok: torch.Tensor | None = None
 ) -> torch.Tensor:
     """m <- beta m + (1 - beta) g in place (not when ``ok`` is 0); return beta m + (1 - beta) g.
 
-    The blend weight ``1 - beta`` is rounded to ``buf``'s dtype first, gated or not.
+    The blend weight ``1 - beta`` is rounded to ``buf``'s dtype first, gated or not. ``momentum`` is a
+    number, or a float64 0-dim tensor on ``buf``'s device (the flat engine's captured step reads it
+    from the device): the same arithmetic, the Nesterov blend in ``buf``'s compute dtype either way.
     """
+    if isinstance(momentum, torch.Tensor):
+        weight = (1.0 - momentum).to(buf.dtype)
+        buf.lerp_(grad, weight if ok is None else ok.to(buf.dtype) * weight)
+        compute = torch.promote_types(buf.dtype, torch.float32)  # where lerp with a number computes
+        return torch.lerp(grad.to(compute), buf.to(compute), momentum.to(compute)).to(buf.dtype)
     if ok is not None:
         buf.lerp_(grad, ok.to(buf.dtype) * (1.0 - momentum))
     else:
@@ -557,6 +564,29 @@ def magma_scale_(score: torch.Tensor, raw: torch.Tensor, ok: torch.Tensor | None
     return MAGMA_MIN_SCALE + (1.0 - MAGMA_MIN_SCALE) * score
 
 
+def muon_factor(scale: torch.Tensor, multiplier: torch.Tensor | None, neg_lr: torch.Tensor | float) -> torch.Tensor:
+    """The factor of each matrix's orthogonalised update: Muon scale x Magma multiplier x -lr, float32.
+
+    ``scale``: per matrix (:func:`muon_scale`), float32; ``multiplier``: per matrix
+    (:func:`magma_scale_`), or ``None`` without Magma; ``neg_lr``: ``-lr``, times the finite gate
+    where the step is gated. Every implementation takes its factors from here (the Triton Magma
+    kernel computes the same product in its last launch).
+    """
+    factor = scale if multiplier is None else scale * multiplier
+    return factor * (neg_lr.to(torch.float32) if isinstance(neg_lr, torch.Tensor) else neg_lr)
+
+
+def post_orthogonalize(ortho: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The rule after orthogonalisation: the update of each matrix of a ``(batch, m, n)`` stack, into ``out``.
+
+    Each orthogonalised matrix times its factor (:func:`muon_factor`), multiplied in ``out``'s dtype;
+    the parameter then takes ``p * decay + update``. The one place a Muon variant changes what
+    follows Newton–Schulz: the loop, the engine's torch path and the FSDP2 owners call it, and the
+    Triton Newton–Schulz kernel multiplies by the same factor as it stores its result.
+    """
+    return torch.mul(ortho, factor.view(-1, 1, 1).to(out.dtype), out=out)
+
+
 def adam_bias_corrected(lr: float, beta1_pow: float, beta2_pow: float) -> tuple[float, float]:
     """Adam's bias corrections at step t: the -step size and the second moment's divisor.
 
@@ -586,23 +616,32 @@ def adam_update_(
     (decoupled decay); ``None`` for no decay. ``ok`` (see :func:`finite_gate`): a 0-dim
     float tensor, 1 to step, 0 to leave parameter and moments unchanged.
     """
-    g = grad.to(torch.float32)
     neg_step, bc2 = adam_bias_corrected(lr, beta1_pow, beta2_pow)
-    if ok is None:
-        if decay_factor is not None:
-            param.mul_(decay_factor)
-        exp_avg.lerp_(g, 1.0 - beta1)
-        exp_avg_sq.lerp_(g * g, 1.0 - beta2)
-        step: float | torch.Tensor = neg_step
-    else:
-        if decay_factor is not None:
-            param.mul_(gate_factor(decay_factor, ok, param.dtype))
-        g = sanitize(g, ok)
-        exp_avg.lerp_(g, ok * (1.0 - beta1))
-        exp_avg_sq.lerp_(g * g, ok * (1.0 - beta2))
-        step = ok * neg_step
-    denom = (exp_avg_sq / bc2).sqrt().add_(ADAM_EPS)
-    param.add_((step * (exp_avg / denom)).to(param.dtype))
+    if decay_factor is not None:
+        param.mul_(gate_factor(decay_factor, ok, param.dtype))
+    weights = (1.0 - beta1, 1.0 - beta2) if ok is None else (ok * (1.0 - beta1), ok * (1.0 - beta2))
+    step = neg_step if ok is None else ok * neg_step
+    increment = adam_increment_(exp_avg, exp_avg_sq, sanitize(grad.to(torch.float32), ok), weights, bc2, step)
+    param.add_(increment.to(param.dtype))
+
+
+def adam_increment_(
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    weights: tuple[float | torch.Tensor, float | torch.Tensor],
+    bc2: float | torch.Tensor,
+    neg_step: float | torch.Tensor,
+) -> torch.Tensor:
+    """Adam's moments blended towards the float32 ``grad`` (``weights``: 1 - beta1, 1 - beta2); the increment.
+
+    ``-step * m / (sqrt(v / bc2) + eps)`` (:func:`adam_bias_corrected`), float32; the numbers may be
+    tensors that broadcast over the elements (the flat engine's per-parameter step sizes).
+    """
+    exp_avg.lerp_(grad, weights[0])
+    exp_avg_sq.lerp_(grad * grad, weights[1])
+    denom = (exp_avg_sq / bc2).sqrt_().add_(ADAM_EPS)
+    return torch.div(exp_avg, denom, out=denom).mul_(neg_step)
 
 
 # ---------------------------------------------------------------------------

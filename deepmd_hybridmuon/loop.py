@@ -135,21 +135,21 @@ class _Phases:
         """Nothing: each matrix's sums are whole in one process."""
 
     def orthogonalize(self, ok: torch.Tensor | None) -> None:
-        """Each matrix's scaled, damped, orthogonalised update, written into its parameter at once."""
+        """Each matrix's orthogonalised update (functional.post_orthogonalize), written into its parameter at once."""
         s = self.settings
         for m in self.matrices:
             assert m.update is not None  # before_orthogonalize ran
             bs, rows, cols = m.view
             ok_here = self._ok(ok, m.grad.device)
-            delta = F.orthogonalize(m.update.reshape(bs, rows, cols), s.use_gram) * s.scale(rows, cols)
+            ortho = F.orthogonalize(m.update.reshape(bs, rows, cols), s.use_gram)
             m.update = None
+            damp = None
             if m.sums is not None:
                 damp = F.magma_scale_(self.state[m.p]["magma_score"], F.magma_score(*m.sums), ok_here)
-                delta = delta * damp.view(bs, 1, 1).to(delta.dtype)
-            if ok_here is None:
-                m.p.add_(delta.reshape(m.p.shape), alpha=-s.lr)
-            else:
-                m.p.addcmul_(delta.reshape(m.p.shape), ok_here.to(m.p.dtype) * -s.lr)
+            scale = torch.full((bs,), s.scale(rows, cols), dtype=torch.float32, device=ortho.device)
+            factor = F.muon_factor(scale, damp, -s.lr if ok_here is None else ok_here * -s.lr)
+            delta = F.post_orthogonalize(ortho, factor, torch.empty(ortho.shape, dtype=m.p.dtype, device=ortho.device))
+            m.p.add_(delta.reshape(m.p.shape))
 
     def apply(self, ok: torch.Tensor | None) -> None:
         """Nothing left: the Adam routes wrote their parameters in :meth:`adam`, Muon's in :meth:`orthogonalize`."""

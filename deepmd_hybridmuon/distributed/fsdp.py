@@ -337,9 +337,9 @@ class _Phases:
         owned = to_owners(ex, self.muon.update.to(wire), self.pg).to(work)
         self.muon.update = None
         delta = torch.empty_like(owned, dtype=wire)
-        local.orthogonalize_owned(settings, owned, ex.groups, damp, delta, ex.kernels)
+        local.orthogonalize_owned(settings, owned, ex.groups, damp, ok * -settings.lr, delta, ex.kernels)
         self.delta = from_owners(ex, delta, self.pg)
 
     def apply(self, ok: torch.Tensor) -> None:
         if self.muon is not None and self.delta is not None:
-            local.apply_delta(self.muon.flat_p, self.muon.locals, self.delta, ok, self.inputs.settings.lr)
+            local.apply_delta(self.muon.flat_p, self.muon.locals, self.delta)

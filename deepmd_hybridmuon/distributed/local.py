@@ -297,7 +297,12 @@ class OwnedKernels:
         return [(g.rows, g.cols) for i, g in enumerate(self.groups) if i not in done]
 
     def run(
-        self, settings: F.GroupSettings, owned: torch.Tensor, damp: torch.Tensor | None, out: torch.Tensor
+        self,
+        settings: F.GroupSettings,
+        owned: torch.Tensor,
+        damp: torch.Tensor | None,
+        neg_lr: torch.Tensor,
+        out: torch.Tensor,
     ) -> set[int]:
         """Orthogonalise the matrices the launches take, into ``out``; the indices of the groups done."""
         if owned.dtype != out.dtype:
@@ -315,7 +320,7 @@ class OwnedKernels:
                 for g in self.groups
             ]
             self._scaling, self._scale = scaling, torch.cat(fills)
-        factor = self._scale if damp is None else self._scale * damp[self.ids].to(torch.float32)
+        factor = F.muon_factor(self._scale, None if damp is None else damp[self.ids], neg_lr)
         for f in self.fused:
             run_fused(self.K, f, owned, out, factor)
         return self.covered
@@ -336,32 +341,30 @@ def orthogonalize_owned(
     owned: torch.Tensor,
     groups: list[_ShapeGroup],
     damp: torch.Tensor | None,
+    neg_lr: torch.Tensor,
     out: torch.Tensor,
     kernels: OwnedKernels | None = None,
 ) -> None:
-    """Newton–Schulz of the owned matrices, scaled and damped, into ``out``.
+    """The owned matrices' updates (``functional.post_orthogonalize``, ``neg_lr`` gated) into ``out``.
 
     ``owned`` and ``out`` are owned buffers (:func:`_owned`'s layout); ``out`` may be of a wider
     dtype. The matrices ``kernels`` takes go through the Triton launches (:class:`OwnedKernels`);
     the others are stacked by shape (``groups``) and orthogonalised by :func:`functional.orthogonalize`.
     """
-    done = kernels.run(settings, owned, damp, out) if kernels is not None else set()
+    done = kernels.run(settings, owned, damp, neg_lr, out) if kernels is not None else set()
     for i, sg in enumerate(groups):
         if i in done:
             continue
-        n = sg.count * sg.rows * sg.cols
-        orth = F.orthogonalize(owned[sg.start : sg.start + n].view(sg.count, sg.rows, sg.cols), settings.use_gram)
-        d = orth * settings.scale(sg.rows, sg.cols)
-        if damp is not None:
-            d = d * damp[sg.matrix_ids].view(sg.count, 1, 1).to(d.dtype)
-        out[sg.start : sg.start + n].copy_(d.reshape(-1))
+        n, shape = sg.count * sg.rows * sg.cols, (sg.count, sg.rows, sg.cols)
+        orth = F.orthogonalize(owned[sg.start : sg.start + n].view(shape), settings.use_gram)
+        scale = torch.full((sg.count,), settings.scale(sg.rows, sg.cols), dtype=torch.float32, device=out.device)
+        factor = F.muon_factor(scale, None if damp is None else damp[sg.matrix_ids], neg_lr)
+        F.post_orthogonalize(orth, factor, out[sg.start : sg.start + n].view(shape))
 
 
-def apply_delta(
-    flat_p: torch.Tensor, locals_: list[torch.Tensor], delta: torch.Tensor, ok: torch.Tensor, lr: float
-) -> None:
-    """``p -= lr * delta`` (not when the gate ``ok`` is 0), then the parameters written back."""
-    flat_p.addcmul_(delta, ok.to(flat_p.dtype) * -lr)
+def apply_delta(flat_p: torch.Tensor, locals_: list[torch.Tensor], delta: torch.Tensor) -> None:
+    """``p += delta`` (the updates, already gated), then the parameters written back."""
+    flat_p.add_(delta)
     _write_back(locals_, flat_p)
 
 

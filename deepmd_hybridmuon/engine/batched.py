@@ -33,12 +33,11 @@ from . import compilation
 from .layout import Layout, run_fused
 
 #: The step's scalars, read from the group every step (a scheduler may change any of them), each in the
-#: dtype the loop uses it in. First, in the parameters' dtype: Muon decay, -lr, AdamW decay, 1 - momentum.
-PARAM_DTYPE_SCALARS = 4
-#: Then the momentum, in the parameters' compute dtype (float32; float64 for float64 parameters), as torch
-#: reads the loop's Python-float weight of the Nesterov ``lerp``; then, in float32: 1 - beta1, 1 - beta2.
-#: After them, every Adam parameter's -step size, then every Adam parameter's second bias correction (each
-#: parameter keeps its own step count, as in the loop).
+#: dtype the loop uses it in. First, in the parameters' dtype: Muon decay, -lr, AdamW decay.
+PARAM_DTYPE_SCALARS = 3
+#: Then the momentum (float64, as ``functional.nesterov_momentum_`` takes it); then, in float32: 1 - beta1,
+#: 1 - beta2. After them, every Adam parameter's -step size, then every Adam parameter's second bias
+#: correction (each parameter keeps its own step count, as in the loop).
 SCALARS = PARAM_DTYPE_SCALARS + 3
 
 
@@ -98,7 +97,7 @@ class BatchedStep:
             neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
             neg_steps.append(neg_step)
             bc2.append(divisor)
-        param_dtype = [s.muon_decay, -s.lr, s.adamw_decay, 1.0 - s.momentum]  # PARAM_DTYPE_SCALARS
+        param_dtype = [s.muon_decay, -s.lr, s.adamw_decay]  # PARAM_DTYPE_SCALARS
         return [*param_dtype, s.momentum, 1.0 - s.beta1, 1.0 - s.beta2, *neg_steps, *bc2]
 
     # ---------------------------------------------------------------- device
@@ -111,13 +110,7 @@ class BatchedStep:
         L = self.layout
         self.lanes = lanes or Lanes()
         scalars = self.inputs.scalars
-        self.muon_decay, self.neg_lr, self.adamw_decay, one_minus_beta = (
-            scalars[:PARAM_DTYPE_SCALARS].to(L.dtype).unbind(0)
-        )
-        compute = torch.promote_types(L.dtype, torch.float32)
-        # [momentum, 1 - momentum] in the compute dtype, the second rounded through the parameters' dtype first
-        self.betas = torch.stack([scalars[PARAM_DTYPE_SCALARS].to(compute), one_minus_beta.to(compute)])
-        self.one_minus_beta = one_minus_beta
+        self.muon_decay, self.neg_lr, self.adamw_decay = scalars[:PARAM_DTYPE_SCALARS].to(L.dtype).unbind(0)
         self.ok = step.run(self)  # captured: the graph's tensor, which each replay rewrites
 
     # The phases of step.run, on the layout's buffers.
@@ -142,7 +135,9 @@ class BatchedStep:
         with self.lanes.lane(L.adam_lane):  # each parameter's pair of scalars, spread over its elements
             adam = self.inputs.scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per param
             neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # one gather kernel
-            self._adam(neg_step if ok is None else neg_step * ok, bc2, ok, adam[:2])
+            weights, grads = adam[:2] if ok is None else ok * adam[:2], F.sanitize(L.adam_grad.to(torch.float32), ok)
+            step_size = neg_step if ok is None else neg_step * ok
+            L.adam_delta.copy_(F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size))
 
     def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Momentum and Nesterov update; the Newton-Schulz that reads only the update starts here.
@@ -153,7 +148,10 @@ class BatchedStep:
         taken whole in :meth:`orthogonalize` (with the Triton kernels, in the launch that also
         gives the factors). The decay waits for :meth:`apply`.
         """
-        self.pending = self._muon_update(ok, self.betas, self.one_minus_beta, self.lanes)
+        L = self.layout
+        grads = F.sanitize(L.muon_grad, ok)
+        update = F.nesterov_momentum_(L.momentum, grads, self.inputs.scalars[PARAM_DTYPE_SCALARS], ok)
+        self.pending = (grads, update, self._start_buckets(update, self.lanes))
 
     def complete_sums(self) -> None:
         """Nothing: each matrix's sums are whole in one process."""
@@ -180,34 +178,9 @@ class BatchedStep:
                 torch._foreach_mul_([p for p, _ in L.muon], muon_decay)
         torch._foreach_add_(L.staged, L.delta_views)
 
-    def _adam(self, neg_step: torch.Tensor, bc2: torch.Tensor, ok: torch.Tensor | None, weights: torch.Tensor) -> None:
-        """Adam on the flat moments; ``weights``: ``[1 - beta1, 1 - beta2]`` (float32); ``ok`` None: taken."""
+    def _start_buckets(self, update: torch.Tensor, lanes: Lanes) -> list[torch.Tensor]:
+        """The torch buckets' orthogonalised stacks of ``update``, unscaled (on the side streams when captured)."""
         L = self.layout
-        grads = F.sanitize(L.adam_grad.to(torch.float32), ok)
-        weights = weights if ok is None else ok * weights
-        L.exp_avg.lerp_(grads, weights[0])
-        L.exp_avg_sq.lerp_(grads * grads, weights[1])
-        denom = (L.exp_avg_sq / bc2).sqrt_().add_(F.ADAM_EPS)
-        torch.div(L.exp_avg, denom, out=denom)
-        L.adam_delta.copy_(denom.mul_(neg_step))
-
-    def _muon_update(
-        self, ok: torch.Tensor | None, betas: torch.Tensor, one_minus_beta: torch.Tensor, lanes: Lanes
-    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Momentum and Nesterov update of every Muon matrix; starts the torch buckets on it.
-
-        ``betas``: ``[momentum, 1 - momentum]`` in the parameters' compute dtype (float32, or float64),
-        the second rounded through the parameters' dtype first (``one_minus_beta``, in that dtype), as in
-        ``functional.nesterov_momentum_``.
-
-        Returns the sanitised gradients, the update and the buckets' orthogonalised stacks
-        (unscaled; still being computed on the side streams when captured).
-        """
-        L = self.layout
-        grads = F.sanitize(L.muon_grad, ok)
-        L.momentum.lerp_(grads, one_minus_beta if ok is None else ok.to(L.dtype) * one_minus_beta)
-        compute = betas.dtype  # the loop's lerp with a Python-float weight computes in it too
-        update = torch.lerp(grads.to(compute), L.momentum.to(compute), betas[0]).to(L.dtype)
         stacks = []
         for i, b in enumerate(L.buckets):
             with lanes.lane(i):
@@ -215,7 +188,7 @@ class BatchedStep:
                     view = update[off : off + bs * rows * cols].view(bs, rows, cols)
                     part.copy_(view.mT if tall else view)
                 stacks.append(F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack))
-        return grads, update, stacks
+        return stacks
 
     def _muon(
         self,
@@ -249,18 +222,18 @@ class BatchedStep:
                 for o, n, bs in L.muon_rows
             ]
             raw = F.magma_score(*(torch.cat(sums) for sums in zip(*parts, strict=True)))
-            torch.mul(L.block_scale * F.magma_scale_(L.scores, raw, ok), neg_lr.float(), out=factor)
+            factor.copy_(F.muon_factor(L.block_scale, F.magma_scale_(L.scores, raw, ok), neg_lr))
         else:
-            torch.mul(L.block_scale, neg_lr.float(), out=factor)
+            factor.copy_(F.muon_factor(L.block_scale, None, neg_lr))
 
         # Each bucket's stack, scaled by its blocks' factors, goes back into muon_delta on its
         # lane once the factors exist; the Triton launches (main stream) read `update` and
         # `factor` and write the other parts of muon_delta.
         for i, (b, out) in enumerate(zip(L.buckets, stacks, strict=True)):
             with lanes.lane(i):
-                scale = factor.index_select(0, b.block_ids).to(L.dtype).view(-1, 1, 1)
+                factors = factor.index_select(0, b.block_ids)
                 for boff, bs, delta in b.outputs:
                     part = out[boff : boff + bs, : delta.size(1), : delta.size(2)]
-                    torch.mul(part, scale[boff : boff + bs], out=delta)
+                    F.post_orthogonalize(part, factors[boff : boff + bs], delta)
         for f in L.fused_paths:
             run_fused(K, f, update, L.muon_delta, factor)
