@@ -241,9 +241,12 @@ def patch_trainer(module: Any) -> None:
         extra = optimizer_kwargs(section, kwargs)
         stage = getattr(getattr(self, "sharding", None), "stage", 0)
         if stage == 1:
-            # ZeRO-1: each rank's optimizer steps its own partition; ranks must agree on
-            # skipping a step with a non-finite gradient.
+            # ZeRO-1: each rank's optimizer steps its own partition; ranks must agree on skipping a
+            # step with a non-finite gradient. ZeroRedundancyOptimizer takes parameters_as_bucket_view
+            # itself: each rank's parameters live in one flat bucket, and the step ends with one
+            # broadcast per rank instead of one per parameter (BENCHMARKS.md, several GPUs).
             extra["nonfinite_across_ranks"] = True
+            extra["parameters_as_bucket_view"] = True
         optimizer = create(self, HybridMuonOptimizer, **extra)
         _log_first_step(_local(optimizer))  # type: ignore[arg-type]
         return optimizer

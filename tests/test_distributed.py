@@ -214,7 +214,7 @@ def _scenario_ddp(rank: int, outdir: str) -> None:
 
 def _plugin_flags() -> dict[int, tuple[type, bool]]:
     """The optimizer deepmd's real ``_create_optimizer`` (our wrapper) builds, per zero_stage: its
-    (local optimizer's) type and ``nonfinite_across_ranks``.
+    (local optimizer's) type, ``nonfinite_across_ranks`` and (ZeRO-1) whether the parameters are bucket views.
 
     The trainer is built only as far as that method needs (as in test_plugin.py).
     """
@@ -231,7 +231,7 @@ def _plugin_flags() -> dict[int, tuple[type, bool]]:
         trainer._hybridmuon_section = {}
         opt = trainer._create_optimizer(training.HybridMuonOptimizer, lr=1e-3)
         local = opt.optim if stage == 1 else opt
-        out[stage] = (type(local), local.nonfinite_across_ranks)
+        out[stage] = (type(local), local.nonfinite_across_ranks, getattr(opt, "parameters_as_bucket_view", None))
     return out
 
 
@@ -276,7 +276,10 @@ def _scenario_zero(rank: int, outdir: str) -> None:
         net = _Net()
         named = list(net.named_parameters())
         params = [p for _, p in named]
-        zero = ZeroRedundancyOptimizer(params, optimizer_class=HybridMuonOptimizer, lr=LR)
+        # parameters as views of one flat bucket per rank, as the plugin asks for zero_stage 1
+        zero = ZeroRedundancyOptimizer(
+            params, optimizer_class=HybridMuonOptimizer, lr=LR, parameters_as_bucket_view=True
+        )
         use_implementation(zero.optim, label)
         zero.optim.set_param_names(named)  # as deepmd's trainer does
         for k in range(STEPS_BEFORE + STEPS_AFTER):
@@ -1140,10 +1143,11 @@ def test_fsdp2_owner_collectives(owner_runs: dict[int, _Run], world: int) -> Non
 
 def test_plugin_on_two_ranks(run: _Run) -> None:
     """deepmd's trainer on 2 ranks: a plain HybridMuonOptimizer at zero_stage 0 (every replica steps the whole
-    group: test_ddp_matches_one_process); ZeRO-1's local optimizer makes the ranks agree on skipping."""
+    group: test_ddp_matches_one_process); ZeRO-1's local optimizer makes the ranks agree on skipping, and
+    ZeroRedundancyOptimizer keeps each rank's parameters in one bucket (one broadcast per rank)."""
     for rank in range(WORLD):
         flags = run.result("ddp", rank)["plugin_flags"]
-        assert flags == {0: (HybridMuonOptimizer, False), 1: (HybridMuonOptimizer, True)}
+        assert flags == {0: (HybridMuonOptimizer, False, None), 1: (HybridMuonOptimizer, True, True)}
 
 
 def test_flat_and_write_back_round_trip_empty_and_transposed_tensors() -> None:
