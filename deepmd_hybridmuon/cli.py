@@ -418,12 +418,27 @@ def _print_routes(rows: list[Row], out: TextIO, indent: str = "  ") -> None:
         print(f"{line}  ({why})" if why else line, file=out)
 
 
+def _print_paths(rows: list[Row], out: TextIO) -> None:
+    """How many Muon matrices each Newton–Schulz path takes (``functional.on_triton``; shared parameters once)."""
+    from .functional import TRITON_MAX_ROWS, on_triton
+
+    views = [tuple(int(d) for d in r[4].split("x")) for r in rows if r[3] == "muon" and not r[7]]
+    triton = sum(bs for bs, m, n in views if on_triton(min(m, n)))
+    total = sum(bs for bs, _, _ in views)
+    print(
+        f"  Newton-Schulz: {triton} of {total} matrices one Triton program each where the kernels run (smaller "
+        f"side <= {TRITON_MAX_ROWS}), {total - triton} batched torch (cuBLAS)",
+        file=out,
+    )
+
+
 def _print_summary(rows: list[Row], muon_mode: str, out: TextIO) -> None:
     """The routes of the model, or of each branch and of the parameters dp train steps (shared ones once)."""
     branches = list(dict.fromkeys(r[0] for r in rows))
     if branches in ([], [""]):
         print(f"\nrouting (muon_mode={muon_mode!r}): {len(rows)} parameters", file=out)
         _print_routes(rows, out)
+        _print_paths(rows, out)
         return
     print(f"\nrouting (muon_mode={muon_mode!r}) of each branch (model_dict key):", file=out)
     for branch in branches:
@@ -435,6 +450,7 @@ def _print_summary(rows: list[Row], muon_mode: str, out: TextIO) -> None:
     distinct = [r for r in rows if not r[7]]
     print(f"  dp train steps {len(distinct)} parameters (each shared one once):", file=out)
     _print_routes(distinct, out, indent="    ")
+    _print_paths(rows, out)
 
 
 def _print_table(rows: list[Row], out: TextIO) -> None:

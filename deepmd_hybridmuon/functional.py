@@ -388,6 +388,21 @@ def gram_newton_schulz(G: torch.Tensor, schedule: GramSchedule | None = None) ->
     return X.to(out_dtype)
 
 
+#: Largest smaller side of a matrix that one Triton program orthogonalises (the flat engine's kernel, where Triton
+#: runs): its ``m x m`` float32 accumulators take 64 registers per thread at 128 and 8 warps. Larger matrices
+#: take the torch path (batched cuBLAS).
+TRITON_MAX_ROWS: int = 128
+
+
+def on_triton(rows: int) -> bool:
+    """Whether one Triton program orthogonalises a matrix whose smaller side is ``rows``; else the torch path.
+
+    The one decision of a matrix's path: the engine's layout (and through it the FSDP2 owners), the compile
+    registry's variants and ``dp check`` all ask it.
+    """
+    return rows <= TRITON_MAX_ROWS
+
+
 def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
     """Orthogonalise a ``(batch, m, n)`` stack.
 
@@ -510,7 +525,7 @@ def magma_score(
     product of the norms floored at ``eps``, by default :data:`MAGMA_EPS`, clamped to [-1, 1])
     is mapped through sigmoid(cos / :data:`MAGMA_TAU`) and stretched from
     [:data:`MAGMA_SIGMOID_LOW`, :data:`MAGMA_SIGMOID_HIGH`] to [0, 1]. Every implementation
-    (:func:`magma_raw_score`, the flat engine, the Triton Magma kernel through these constants)
+    (the loop, the flat engine, the Triton Magma kernel through these constants)
     follows this function.
 
     The sums may be those of m 2^-a and g 2^-b (:func:`magma_sums`), with ``eps`` =
@@ -545,15 +560,6 @@ def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor
     return (m * g).sum(dim=-1), m.norm(dim=-1), g.norm(dim=-1), eps
 
 
-def magma_raw_score(momentum: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Stretched-sigmoid alignment of momentum and gradient per block, in [0, 1] (:func:`magma_score`).
-
-    ``momentum`` and ``grad`` have shape ``(blocks, k)``, one block per row. Computed in float32
-    on rows scaled by powers of two (:func:`magma_sums`), so that no magnitude overflows.
-    """
-    return magma_score(*magma_sums(momentum, grad))
-
-
 def magma_scale_(score: torch.Tensor, raw: torch.Tensor, ok: torch.Tensor | None = None) -> torch.Tensor:
     """EMA ``score`` towards ``raw`` in place (kept when ``ok`` is 0); return the multipliers in [0.1, 1]."""
     if ok is None:
@@ -565,24 +571,19 @@ def magma_scale_(score: torch.Tensor, raw: torch.Tensor, ok: torch.Tensor | None
 
 
 def muon_factor(scale: torch.Tensor, multiplier: torch.Tensor | None, neg_lr: torch.Tensor | float) -> torch.Tensor:
-    """The factor of each matrix's orthogonalised update: Muon scale x Magma multiplier x -lr, float32.
+    """Each matrix's factor, float32: Muon scale (:func:`muon_scale`) x Magma multiplier (or ``None``) x -lr (gated).
 
-    ``scale``: per matrix (:func:`muon_scale`), float32; ``multiplier``: per matrix
-    (:func:`magma_scale_`), or ``None`` without Magma; ``neg_lr``: ``-lr``, times the finite gate
-    where the step is gated. Every implementation takes its factors from here (the Triton Magma
-    kernel computes the same product in its last launch).
+    The Triton Magma kernel computes the same product in its last launch.
     """
     factor = scale if multiplier is None else scale * multiplier
     return factor * (neg_lr.to(torch.float32) if isinstance(neg_lr, torch.Tensor) else neg_lr)
 
 
 def post_orthogonalize(ortho: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The rule after orthogonalisation: the update of each matrix of a ``(batch, m, n)`` stack, into ``out``.
+    """The rule after orthogonalisation: each matrix of a ``(batch, m, n)`` stack times its factor, into ``out``.
 
-    Each orthogonalised matrix times its factor (:func:`muon_factor`), multiplied in ``out``'s dtype;
-    the parameter then takes ``p * decay + update``. The one place a Muon variant changes what
-    follows Newton–Schulz: the loop, the engine's torch path and the FSDP2 owners call it, and the
-    Triton Newton–Schulz kernel multiplies by the same factor as it stores its result.
+    Multiplied in ``out``'s dtype; the parameter then takes ``p * decay + update``. The loop, the engine's
+    torch path and the FSDP2 owners call it; the Triton kernel applies the same factor as it stores.
     """
     return torch.mul(ortho, factor.view(-1, 1, 1).to(out.dtype), out=out)
 
@@ -633,10 +634,9 @@ def adam_increment_(
     bc2: float | torch.Tensor,
     neg_step: float | torch.Tensor,
 ) -> torch.Tensor:
-    """Adam's moments blended towards the float32 ``grad`` (``weights``: 1 - beta1, 1 - beta2); the increment.
+    """Adam's moments blended towards ``grad`` (``weights``: 1 - beta1, 1 - beta2); ``-step m / (sqrt(v / bc2) + eps)``.
 
-    ``-step * m / (sqrt(v / bc2) + eps)`` (:func:`adam_bias_corrected`), float32; the numbers may be
-    tensors that broadcast over the elements (the flat engine's per-parameter step sizes).
+    Float32; the numbers may be tensors that broadcast over the elements (the engine's per-parameter steps).
     """
     exp_avg.lerp_(grad, weights[0])
     exp_avg_sq.lerp_(grad * grad, weights[1])

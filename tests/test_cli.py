@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -775,3 +776,22 @@ def test_multi_task_table_marks_the_shared_descriptor(tmp_path, capsys):
     assert not any(name.startswith("two.atomic_model.fitting_net.") for name in shared)  # not in shared_dict
     two = next(line for line in lines if line.startswith("  two: "))
     assert two.endswith(f"({len(shared)} shared with one through shared_dict)")
+
+
+def test_the_check_counts_each_newton_schulz_path_as_the_engine_lays_it_out(tmp_path, capsys):
+    """The check's count of the matrices one Triton program takes is the engine layout's (functional.on_triton)."""
+    K = pytest.importorskip("deepmd_hybridmuon.kernels")
+    from deepmd_hybridmuon import functional as F
+    from deepmd_hybridmuon.engine.layout import assign
+
+    config = json.loads((WATER / "se_e2_a_water.json").read_text())
+    config["optimizer"] = {"type": "HybridMuon"}
+    assert main(["check", _write(tmp_path, config), "--table"]) == 0
+    out = capsys.readouterr().out
+    [line] = [ln for ln in out.splitlines() if ln.startswith("  Newton-Schulz: ")]
+    triton, _, total = line.split()[1:4]
+    views = [tuple(map(int, m.groups())) for m in re.finditer(r" muon +(\d+)x(\d+)x(\d+) ", out)]
+    fused, buckets = assign(views, K, True, torch.device("cuda"))
+    assert int(total) == sum(bs for bs, _, _ in views) == 10  # the 240-wide fitting layers among them
+    assert int(triton) == sum(len(f.meta) for f in fused) == 4, line
+    assert sum(b.batch for b in buckets) == 6 and all(not F.on_triton(b.rows) for b in buckets)

@@ -18,6 +18,8 @@ import time
 import pytest
 import torch
 
+from deepmd_hybridmuon import functional as F
+
 K = pytest.importorskip("deepmd_hybridmuon.kernels")  # imports triton
 
 GPU = torch.device("cuda", 0)  # only named: nothing here touches a GPU
@@ -237,7 +239,8 @@ def test_the_ledger_key_changes_with_everything_that_fixes_a_binary(monkeypatch)
     other = K.compile._launch_key(False, 64, 96)  # other constexprs (block sizes) of the same kernel
     assert ledger.name((*other, 0, torch.float32), (9, 0)) != ledger.name(base, (9, 0))
     # The options of a launch (num_warps, constexprs) and this package's sources are in the key.
-    changed = [launch.with_options(num_warps=2) for launch in K.compile._launches(base)]
+    launches = K.compile._launches(base)
+    changed = [K.common.Launch(la.kernel, *la.args, **{**la.kwargs, "num_warps": 2}) for la in launches]
     original = K.compile._launches
     monkeypatch.setattr(K.compile, "_launches", lambda key: changed if key == base else original(key))
     assert ledger.name(base, (9, 0)) not in names
@@ -375,7 +378,7 @@ def test_each_matrix_has_one_path_for_the_layout_and_the_registry(use_gram, rows
     """kernels.on_triton decides; the layout's groups and the registry's variant keys follow it."""
     from deepmd_hybridmuon.engine.layout import assign
 
-    assert K.on_triton(min(rows, cols)) == triton
+    assert F.on_triton(min(rows, cols)) == triton
     fused, buckets = assign([(1, rows, cols)], K, use_gram, torch.device("cpu"))
     assert (len(fused), len(buckets)) == (triton, not triton)
     if triton:

@@ -334,6 +334,11 @@ def test_adam_learning_rate(lr: float, lr_adjust: float, expected: float) -> Non
     assert F.adam_learning_rate(lr, lr_adjust) == pytest.approx(expected, rel=1e-15)
 
 
+def _raw_score(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Magma's raw score of each row of momentum and gradient, as the loop takes it."""
+    return F.magma_score(*F.magma_sums(m, g))
+
+
 def test_magma_raw_score_table() -> None:
     g = torch.tensor([[1.0, 2.0, -3.0, 0.5]])
     ortho = torch.tensor([[2.0, -1.0, 0.0, 0.0]])  # <g, ortho> = 0
@@ -347,7 +352,7 @@ def test_magma_raw_score_table() -> None:
     ]
     # float32 sigmoid and the stretch (s - s_lo) / (s_hi - s_lo): a few float32 ulps.
     for m, what, expected in cases:
-        score = F.magma_raw_score(m, g)
+        score = _raw_score(m, g)
         assert score.shape == (1,), what
         assert score.dtype == torch.float32, what
         assert float(score) == pytest.approx(expected, abs=1e-6), what
@@ -363,15 +368,15 @@ def test_magma_score_from_partial_sums_is_the_raw_score() -> None:
     mm = sum((mp * mp).sum(-1) for mp, _ in pieces)
     gg = sum((gp * gp).sum(-1) for _, gp in pieces)
     # float32 sums in another order than the norms: a few float32 roundings
-    torch.testing.assert_close(F.magma_score(dot, mm.sqrt(), gg.sqrt()), F.magma_raw_score(m, g), rtol=0, atol=1e-6)
-    assert float(F.magma_raw_score(m, g).min()) > 0.5  # aligned on purpose: not the neutral score
+    torch.testing.assert_close(F.magma_score(dot, mm.sqrt(), gg.sqrt()), _raw_score(m, g), rtol=0, atol=1e-6)
+    assert float(_raw_score(m, g).min()) > 0.5  # aligned on purpose: not the neutral score
 
 
 def test_magma_raw_score_rows_and_range() -> None:
     gen = torch.Generator().manual_seed(0)
     m = torch.randn(64, 20, generator=gen, dtype=torch.float64)
     g = torch.randn(64, 20, generator=gen, dtype=torch.float64)
-    score = F.magma_raw_score(m, g)
+    score = _raw_score(m, g)
     assert score.shape == (64,) and score.dtype == torch.float32
     assert bool(((score >= 0) & (score <= 1)).all())
     # Row by row, a monotone function of the cosine: sigmoid(cos / 2), stretched.

@@ -11,7 +11,7 @@ from ..dtensor import is_dtensor
 from . import compilation
 from .batched import BatchedStep, StepInputs
 from .execution import Executor
-from .layout import Layout, kernel_paths
+from .layout import Layout, assign
 
 
 class GroupEngine:
@@ -74,7 +74,7 @@ class GroupEngine:
             return None, None
         K = compilation.kernels()
         views = [r.view for r in routes if r.route == "muon"]
-        paths = kernel_paths(views, K, bool(group["enable_gram"]), device)
+        paths = [(f.use_gram, f.rows, f.cols) for f in assign(views, K, bool(group["enable_gram"]), device)[0]]
         ready = compilation.request(device, dtype, paths, bool(group["magma_muon"]))
         if ready is None or not ready.is_set():  # compiling, or a kernel failed to compile
             return None, ready

@@ -83,7 +83,7 @@ def assign(
 ) -> tuple[list[Fused], list[Bucket]]:
     """Group the Muon matrices (``(batch, rows, cols)`` per parameter, in flat order) into paths.
 
-    With the kernels module ``K``: one program per matrix where ``K.on_triton`` says so; the rest
+    With the kernels module ``K``: one program per matrix where ``functional.on_triton`` says so; the rest
     (everything without ``K``) into torch buckets.
     """
     fused: dict[tuple[bool, bool], Fused] = {}
@@ -92,7 +92,7 @@ def assign(
     for bs, rows, cols in views:
         gram = use_gram and rows != cols
         small, large = min(rows, cols), max(rows, cols)
-        if K is not None and K.on_triton(small):  # one launch per iteration and residency
+        if K is not None and F.on_triton(small):  # one launch per iteration and residency
             f = fused.setdefault((gram, K.resident(small, large)), Fused(gram))
             f.rows, f.cols = max(f.rows, small), max(f.cols, large)
             # wide orientation: (r, c) of the m x n view is element (c, r) of a tall matrix
@@ -109,14 +109,6 @@ def assign(
         block += bs
         offset += bs * rows * cols
     return list(fused.values()), list(buckets.values())
-
-
-def kernel_paths(
-    views: list[tuple[int, int, int]], K: ModuleType, use_gram: bool, device: torch.device
-) -> list[tuple[bool, int, int]]:
-    """The Triton launches (``(use_gram, rows, cols)`` each) that :func:`assign` gives these matrices."""
-    fused, _ = assign(views, K, use_gram, device)
-    return [(f.use_gram, f.rows, f.cols) for f in fused]
 
 
 def build_fused(K: ModuleType, f: Fused, device: torch.device) -> None:

@@ -13,8 +13,7 @@ Architecture, one module per kernel family:
 
 * :mod:`.common`: sizes, workspace dtypes, the per-matrix metadata table
   (:class:`MetaColumn`), the schedule as kernel input, Triton helpers (loads, the
-  polynomial, one Gram iteration), and :func:`on_triton`: whether a matrix takes the Triton
-  kernel or the torch path, decided once for the engine's layout and the compile registry.
+  polynomial, one Gram iteration); ``functional.on_triton`` decides which matrices take them.
 * :mod:`.newton_schulz`: one program per matrix, smaller side up to :data:`MAX_ROWS`
   (:func:`orthogonalize_blocks`); ``X`` in registers or streamed through a workspace.
 * :mod:`.magma`: per-block Magma factors in two launches (:func:`magma_factors`).
@@ -43,7 +42,6 @@ from .common import (
     MetaColumn,
     coefficient_table,
     gram_constants,
-    on_triton,
     resident,
     work_dtype,
 )
@@ -65,7 +63,6 @@ __all__ = [
     "gram_constants",
     "magma_chunks",
     "magma_factors",
-    "on_triton",
     "orthogonalize_blocks",
     "prepare",
     "resident",

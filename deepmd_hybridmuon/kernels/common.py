@@ -20,10 +20,8 @@ import triton.language as tl
 
 from .. import functional as F
 
-#: Largest smaller side handled by one program: the ``m x m`` float32 accumulators of a
-#: 128 x 128 matrix take 64 registers per thread at 8 warps; larger matrices need several
-#: programs per matrix and stay on the batched torch path (:func:`on_triton`).
-MAX_ROWS: int = 128
+#: Largest smaller side handled by one program (``functional.on_triton`` decides a matrix's path).
+MAX_ROWS: int = F.TRITON_MAX_ROWS
 #: Columns of ``X`` per chunk of the streamed products (a multiple of 16 for ``tl.dot``).
 CHUNK: int = 64
 #: Largest padded ``m x n`` kept whole in registers for the whole iteration (128 x 128:
@@ -181,10 +179,6 @@ class Launch:
         """Launch the kernel on ``grid`` with ``args`` (of the declared types)."""
         self.kernel[grid](*args, **self.kwargs)
 
-    def with_options(self, **options: Any) -> Launch:
-        """The same launch with ``options`` added or replaced."""
-        return Launch(self.kernel, *self.args, **{**self.kwargs, **options})
-
     def describe(self) -> str:
         """Everything that fixes the compiled binary, as text (the compile ledger hashes it)."""
         args = [str(a) if isinstance(a, torch.dtype) else type(a).__name__ for a in self.args]
@@ -227,15 +221,6 @@ def gram_constants() -> dict[str, tuple[int, ...]]:
 def _gram_constants(schedule: F.GramSchedule) -> tuple[tuple[str, tuple[int, ...]], ...]:
     flags = {"RESTARTS": schedule.restarts, "FRESH_Q": schedule.fresh_q, "UPDATES_R": schedule.updates_r}
     return tuple((name, tuple(int(f) for f in values)) for name, values in flags.items())
-
-
-def on_triton(rows: int) -> bool:
-    """Whether one Triton program orthogonalises a matrix whose smaller side is ``rows``; else the torch path.
-
-    The one decision of a matrix's path: the engine's layout, the FSDP2 owners (through the layout's
-    :func:`~deepmd_hybridmuon.engine.layout.assign`) and the compile registry's variants all ask it.
-    """
-    return rows <= MAX_ROWS
 
 
 def resident(rows: int, cols: int) -> bool:

@@ -51,7 +51,8 @@ from typing import Any
 
 import torch
 
-from .common import Launch, on_triton
+from ..functional import on_triton
+from .common import Launch
 from .magma import magma_launches
 from .newton_schulz import blocks_launch, blocks_options
 
