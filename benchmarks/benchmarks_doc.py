@@ -50,12 +50,13 @@ def load(name: str) -> dict[str, Any]:
 
 def source(name: str) -> dict[str, str]:
     """Machine, date, commit and command of a results file: provenance.json's, else the file's own fields."""
-    data = load(name)
+    data = load(name) if name.endswith(".json") else {}  # a text file's provenance is all in provenance.json
     env = data.get("environment", {})  # step_time.py's files
     own = {"date": data.get("date_utc", env.get("date_utc")), "command": data.get("command", env.get("command"))}
     own = {k: v for k, v in own.items() if isinstance(v, str)}
     own.update({k: data[k] for k in ("machine", "date", "commit", "command") if isinstance(data.get(k), str)})
-    return {**own, **load("provenance.json").get(name, {})}
+    extra = {k: data[k] for k in ("transcribed_from",) if k in data}
+    return {**own, **extra, **load("provenance.json").get(name, {})}
 
 
 def sources(names: list[str]) -> str:
@@ -65,7 +66,7 @@ def sources(names: list[str]) -> str:
         lines.append(
             f"- `{name}`: {s['machine']}, {s['date']}, commit {s['commit']}: `{s['command']}`"
             + (f" ({s['note']})" if s.get("note") else "")
-            + (f" (transcribed from {data_from})" if (data_from := load(name).get("transcribed_from")) else "")
+            + (f" (transcribed from {data_from})" if (data_from := s.get("transcribed_from")) else "")
         )
     return "Sources:\n\n" + "\n".join(lines)
 
@@ -440,6 +441,51 @@ def design_phased() -> str:
     return table(head, rows) + "\n\n" + sources([n for pairs in (PHASED, PHASED_E2E) for pair in pairs for n in pair])
 
 
+#: The panel and address-table kernels' removal: (with them, without them) per round, alternating in one call;
+#: the version between them (panels removed only) printed its tables to FAMILIES_TEXT.
+FAMILIES = [
+    (f"step_time_h100_2026-11-27_families_with_r{r}.json", f"step_time_h100_2026-11-27_families_without_r{r}.json")
+    for r in (1, 2)
+]
+FAMILIES_TEXT = "step_time_h100_2026-11-27_families.txt"
+
+
+def _printed_medians(name: str, version: str) -> dict[tuple[int, str], dict[str, float]]:
+    """(round, model) -> {variant: median ms} of one version in a file of versions_ab.sh's printed tables."""
+    out: dict[tuple[int, str], dict[str, float]] = {}
+    rows: dict[str, dict[str, float]] = {}
+    config = ""
+    for line in (RESULTS / name).read_text().splitlines():
+        if line.startswith("## "):
+            config = line[3:].strip()
+        elif line.startswith("| "):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.setdefault(config, {})[cells[0]] = float(cells[2])
+        elif line.startswith("== "):
+            _, label, round_, *_ = line.split()
+            if label == version:
+                out.update({(int(round_.lstrip("r")), c): v for c, v in rows.items()})
+            rows = {}
+    return out
+
+
+def design_families() -> str:
+    def cell(med: dict[str, float]) -> str:
+        return f"{_ms(med['ours'])} ({ratio(med['ours'], med['adamw'])})"
+
+    between = _printed_medians(FAMILIES_TEXT, "nopanel")
+    rows = []
+    for config in load(FAMILIES[0][0])["configs"]:
+        cells = []
+        for r, (with_, without) in enumerate(FAMILIES, start=1):
+            cells += [cell(step_medians(with_, config)), cell(between[r, config]), cell(step_medians(without, config))]
+        rows.append([MODEL[config], *cells])
+    kinds = ("with both", "panels removed", "without both")
+    head = ["model", *(f"round {r}, {k}" for r in (1, 2) for k in kinds)]
+    names = [n for pair in FAMILIES for n in pair] + [FAMILIES_TEXT]
+    return table(head, rows) + "\n\n" + sources(names)
+
+
 #: The GPU step before and after the current CPU work, alternating in one call: (3f98130, then) pairs of rounds.
 STEP_BEFORE_AFTER = [f"step_time_h100_2026-11-27_{k}_r{r}.json" for r in (1, 2) for k in ("before", "after")]
 
@@ -575,6 +621,95 @@ def design_alignment() -> str:
     return table(head, rows, right=2) + "\n\n" + sources([name])
 
 
+# ---------------------------------------------------------------------------------- memory
+
+#: memory.py's variants as the memory tables name them.
+MEMORY_VARIANTS = {
+    "ours": "ours",
+    "ours-torch": "ours, torch kernels (`flash_muon: false`)",
+    "adamw": "fused AdamW",
+    "builtin": "built-in",
+    "torch-muon": "torch.optim.Muon + AdamW",
+}
+
+
+def memory_files() -> list[str]:
+    """The results files of ``benchmarks/memory.py`` measured on CUDA (a CPU run records no memory)."""
+    names = [p.name for p in sorted(RESULTS.glob("memory_*.json"))]
+    return [n for n in names if str((load(n).get("environment") or {}).get("device", "")).startswith("cuda")]
+
+
+def _mib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def _times(a: float | None, b: float | None) -> str:
+    """``a`` as a multiple of ``b`` (memory, not time), or nothing."""
+    return "" if a is None or not b else f"{a / b:.2f}{TIMES}"
+
+
+def memory() -> str:
+    """The memory an optimizer holds (the optimizer alone), and the peak of whole ``dp --pt train`` runs."""
+    names = memory_files()
+    if not names:
+        return (
+            "No results yet: `python benchmarks/memory.py` on a GPU writes "
+            "`benchmarks/results/memory_<gpu>_<date>.json`."
+        )
+    rows, train_rows = [], []
+    for name in names:
+        data, s = load(name), source(name)
+        when = f"{s['date'][:10]}, {commit(name)}"
+        for config, entry in data["optimizer_alone"].items():
+            model = entry.get("model") or {}
+            size = (
+                f"{model['numel'] / 1e6:.2f} M, {'/'.join(model['dtypes'])}: {model['params_mib']:.1f} MiB"
+                if model
+                else ""
+            )
+            adamw = next((r for r in entry["results"] if r["variant"] == "adamw" and r.get("ok")), {})
+            for r in entry["results"]:
+                cells = [MODEL.get(config, config), when, size, MEMORY_VARIANTS.get(r["variant"], r["variant"])]
+                if r.get("ok"):
+                    res, peak = r["resident_mib"], r["peak_mib"]
+                    cells += [
+                        _mib(res),
+                        _mib(peak),
+                        _times(res, adamw.get("resident_mib")),
+                        _times(peak, adamw.get("peak_mib")),
+                    ]
+                else:
+                    cells += ["unavailable" if r.get("unavailable") else "failed", "", "", ""]
+                rows.append(cells)
+        for config, entry in (data.get("train") or {}).items():
+            runs = [r for r in entry["runs"] if r["label"] != "warmup"]
+            adamw_peak = next(
+                (r["max_memory_allocated_mib"] for r in runs if r["variant"] == "adamw" and not r["problems"]), None
+            )
+            for r in runs:
+                peak = r["max_memory_allocated_mib"]
+                train_rows.append(
+                    [
+                        MODEL.get(config, config),
+                        when,
+                        MEMORY_VARIANTS.get(r["variant"], r["variant"]).replace("fused AdamW", "AdamW"),
+                        str(r["steps"]),
+                        _mib(peak) if not r["problems"] else "failed",
+                        _times(peak, adamw_peak),
+                    ]
+                )
+    head = ["model", "date, commit", "parameters", "optimizer", "resident MiB", "peak MiB"]
+    head += [f"resident: {TIMES} fused AdamW's", f"peak: {TIMES} fused AdamW's"]
+    text = table(head, rows, right=4)
+    if train_rows:
+        head = ["model", "date, commit", "optimizer", "steps", "`dp --pt train` peak MiB", f"{TIMES} AdamW's"]
+        text += "\n\n" + table(head, train_rows, right=3)
+    return text + "\n\n" + sources(names)
+
+
+#: Blocks that BENCHMARKS.md need not have yet (their measurement has no results there): rendered where it has them.
+OPTIONAL_BLOCKS = {"memory"}
+
 BLOCKS = {
     "end-to-end": end_to_end,
     "time-to-accuracy": time_to_accuracy,
@@ -584,6 +719,7 @@ BLOCKS = {
     "step-spread": step_spread,
     "cold-start": cold_start,
     "design-phased": design_phased,
+    "design-families": design_families,
     "cpu-step": cpu_step,
     "cpu-train": cpu_train,
     "cpu-time-to-accuracy": cpu_time_to_accuracy,
@@ -592,6 +728,7 @@ BLOCKS = {
     "design-side-streams": design_side_streams,
     "design-ddp-split": design_ddp_split,
     "design-alignment": design_alignment,
+    "memory": memory,
 }
 
 
@@ -600,6 +737,8 @@ def render(text: str) -> str:
     for name, make in BLOCKS.items():
         pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
         if not pattern.search(text):
+            if name in OPTIONAL_BLOCKS:
+                continue
             raise SystemExit(f"BENCHMARKS.md has no block {name}")
         text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
     return text

@@ -74,6 +74,8 @@ ALL_VARIANTS: tuple[str, ...] = (
     *(f"builtin{s}" for s in OPTION_SETS),
     "adamw",
 )
+#: Variants that --variants accepts but that do not run by default.
+EXTRA_VARIANTS: tuple[str, ...] = ("torch-muon",)
 ADAMW_LR = 1e-3
 
 
@@ -115,14 +117,40 @@ def routing_counts(named: list[tuple[str, torch.Tensor]], muon_mode: str = "slic
 # ------------------------------------------------------------------------- optimizers
 
 
+class TorchMuonAdamW:
+    """torch's own ``torch.optim.Muon`` on the 2-D parameters and AdamW on the others, stepped together.
+
+    Not a deepmd option (deepmd's trainer cannot build it): the plain-PyTorch Muon to compare with.
+    ``torch.optim.Muon`` takes only 2-D parameters and has no routing of its own.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError(f"torch {torch.__version__} has no torch.optim.Muon")
+        matrices = [p for p in params if p.ndim == 2]
+        others = [p for p in params if p.ndim != 2]
+        extra = {"fused": True} if device.type == "cuda" else {}
+        self.optimizers: list[torch.optim.Optimizer] = []
+        if matrices:
+            self.optimizers.append(torch.optim.Muon(matrices, lr=ADAMW_LR))
+        if others:
+            self.optimizers.append(torch.optim.AdamW(others, lr=ADAMW_LR, **extra))
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+
 def make_optimizer(
     variant: str, named: list[tuple[str, torch.nn.Parameter]], device: torch.device, ours_kw: dict[str, Any]
-) -> torch.optim.Optimizer:
+) -> torch.optim.Optimizer | TorchMuonAdamW:
     """Build ``variant`` the way deepmd's trainer does (params, then ``set_param_names``)."""
     params = [p for _, p in named]
     if variant == "adamw":
         extra = {"fused": True} if device.type == "cuda" else {}
         return torch.optim.AdamW(params, lr=ADAMW_LR, **extra)
+    if variant == "torch-muon":
+        return TorchMuonAdamW(params, device)
     family, _, suffix = variant.partition("-")
     options = dict(OPTION_SETS["-" + suffix if suffix else ""])
     implementation = None
@@ -332,7 +360,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config-dir", type=Path, default=DEFAULT_CONFIG_DIR)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma list of config names (no .json)")
     ap.add_argument("config_names", nargs="*", metavar="CONFIG", help="config names; given, they replace --configs")
-    ap.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list of: " + ",".join(ALL_VARIANTS))
+    ap.add_argument(
+        "--variants",
+        default=",".join(ALL_VARIANTS),
+        help="comma list of: " + ",".join(ALL_VARIANTS + EXTRA_VARIANTS) + " (default: all but torch-muon)",
+    )
     ap.add_argument("--steps", type=int, default=60, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps after the first step")
     ap.add_argument("--grad-sets", type=int, default=4, help="number of random gradient sets cycled through")
@@ -363,9 +395,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 0 or args.grad_sets < 1:
         ap.error("--steps must be >= 1, --warmup >= 0, --grad-sets >= 1")
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variant_list if v not in ALL_VARIANTS]
+    unknown = [v for v in args.variant_list if v not in ALL_VARIANTS + EXTRA_VARIANTS]
     if unknown:
-        ap.error(f"unknown variants {unknown}; choose from {','.join(ALL_VARIANTS)}")
+        ap.error(f"unknown variants {unknown}; choose from {','.join(ALL_VARIANTS + EXTRA_VARIANTS)}")
     names = ",".join(args.config_names) if args.config_names else args.configs
     args.config_list = [c.strip().removesuffix(".json") for c in names.split(",") if c.strip()]
     return args

@@ -13,6 +13,9 @@ the end this rank writes ``{optimizer class: {"gpu_ms": [...], "host_ms": [...],
 the ``between`` lists time the rest of each training step (from the end of one ``step()`` to
 the start of the next: forward, backward, data, logging), on the GPU and on the host.
 
+With ``RECORD_MEMORY=1`` on CUDA the JSON also holds, under ``"_max_memory_allocated_mib"``, the
+peak of ``torch.cuda.max_memory_allocated()`` over the process (memory.py ``--train``).
+
 With ``HYBRIDMUON_IMPLEMENTATION=<name>`` (``optimizer.IMPLEMENTATIONS``: ``engine``,
 ``engine-eager``, ``loop``) deepmd-hybridmuon's optimizer runs that implementation from its
 first step on: a diagnostic, e.g. to tell the CUDA graph's share of a difference.
@@ -186,6 +189,8 @@ def main() -> int:
                     "between_gpu_ms": between,
                     "between_host_ms": entry.between_host_ms,
                 }
+            if cuda and os.environ.get("RECORD_MEMORY") == "1":
+                times["_max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
             if compiles:
                 times["_compiles"] = compiles
             if profiling["texts"]:
