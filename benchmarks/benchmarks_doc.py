@@ -256,6 +256,35 @@ def several_gpus() -> str:
     return table(head, rows, right=4) + "\n\n" + sources(list(dict.fromkeys(n for n, _, _ in MULTI)))
 
 
+#: Alternating pairs of ours and AdamW at each sharded stage, in one call.
+PAIRS = "multi_gpu_dpa3_h200x2_2026-11-27.json"
+
+
+def several_gpus_pairs() -> str:
+    data = load(PAIRS)
+    runs = data["configs"]["dpa3_water"]["runs"]
+    rows = []
+    for label in dict.fromkeys(k.rsplit("-", 1)[0] for k in runs if k != "warmup"):
+        got = {v: _run(PAIRS, "dpa3_water", f"{label}-{v}") for v in ("ours", "adamw")}
+        if not all(got.values()):
+            continue  # a pair the call's time limit cut
+        spb = {v: r["average_s_per_batch"] for v, r in got.items()}
+        ms = {v: r["optimizer_step"]["slowest_rank_median_ms"] for v, r in got.items()}
+        stage, _, pair = label.removeprefix("stage").partition("#")
+        rows.append(
+            [
+                STAGE[int(stage)],
+                pair or "1",
+                *(f4(spb[v]) for v in ("ours", "adamw")),
+                ratio(spb["ours"], spb["adamw"]),
+                f"{ms['ours']:.2f} / {ms['adamw']:.2f}",
+                ratio(ms["ours"], ms["adamw"]),
+            ]
+        )
+    head = ["zero_stage", "pair", "ours s/batch", "AdamW", VS_ADAMW, "step ms ours / AdamW", "step: ours × AdamW's"]
+    return table(head, rows, right=2) + "\n\n" + sources([PAIRS])
+
+
 # ---------------------------------------------------------------------------- the step alone
 
 
@@ -715,6 +744,7 @@ BLOCKS = {
     "time-to-accuracy": time_to_accuracy,
     "learning-rate": learning_rate,
     "several-gpus": several_gpus,
+    "several-gpus-pairs": several_gpus_pairs,
     "step-alone": step_alone,
     "step-spread": step_spread,
     "cold-start": cold_start,

@@ -75,7 +75,7 @@ def _step_ms(times_dir: Path, skip: int) -> dict[str, Any]:
     """
     per_rank = {}
     for path in sorted(times_dir.glob("rank*.json")):
-        times = json.loads(path.read_text())
+        times = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}  # not the extras
         name = OUTER if OUTER in times else max(times, key=lambda k: len(times[k]["host_ms"]))
         gpu = times[name]["gpu_ms"][skip:] or times[name]["gpu_ms"] or [float("nan")]
         host = times[name]["host_ms"][skip:] or times[name]["host_ms"] or [float("nan")]
