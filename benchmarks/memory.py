@@ -617,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
                 model = result.pop("model", None)
                 entry["model"] = entry["model"] or model
                 entry["results"].append(result)
+                if args.json:  # as it goes: a run stopped early keeps what it measured
+                    write_json(args.json, report)
                 status = (
                     f"resident {_mib(result['resident_mib'])} MiB, peak {_mib(result['peak_mib'])} MiB"
                     if result.get("ok")
