@@ -16,8 +16,10 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -233,6 +235,23 @@ def prepare_run(rundir: Path, cfg: dict[str, Any], builtin: bool) -> dict[str, s
     else:
         env.pop(DISABLE_ENV, None)
     return env
+
+
+def run_logged(cmd: list[str], rundir: Path, env: dict[str, str], timeout: float) -> tuple[int, str, float]:
+    """Run ``cmd`` in ``rundir``: its return code (-9 when it ran past ``timeout`` s), output and wall seconds.
+
+    The output is also written to ``rundir/train.log``.
+    """
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=rundir, capture_output=True, text=True, env=env, timeout=timeout)
+        rc, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        rc = -9
+        log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (err.stdout, err.stderr))
+        log += f"\n(timed out after {timeout} s)"
+    (rundir / "train.log").write_text(log)
+    return rc, log, time.perf_counter() - t0
 
 
 def parse_log(text: str) -> dict[str, Any]:

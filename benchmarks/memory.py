@@ -80,6 +80,7 @@ from common import (
     parse_log,
     prepare_run,
     resolve_config,
+    run_logged,
     shown,
     shown_command,
     timing_input,
@@ -370,15 +371,7 @@ def train_run(
     elif ":" in args.device:
         env["CUDA_VISIBLE_DEVICES"] = args.device.split(":", 1)[1]  # deepmd trains on its first visible GPU
     cmd = [sys.executable, str(TIMED_DP), "--pt", "train", "input.json"]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=rundir, capture_output=True, text=True, env=env, timeout=args.timeout)
-        rc, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as err:
-        rc = -9
-        log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (err.stdout, err.stderr))
-        log += f"\n(timed out after {args.timeout} s)"
-    (rundir / "train.log").write_text(log)
+    rc, log, wall_s = run_logged(cmd, rundir, env, args.timeout)
     if args.verbose:
         print(log, file=sys.stderr)
     times_path = rundir / "step_times" / "rank0.json"
@@ -390,7 +383,7 @@ def train_run(
         "label": label,
         "steps": steps,
         "returncode": rc,
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall_s,
         "max_memory_allocated_mib": times.get("_max_memory_allocated_mib") if cuda else None,
         "optimizer_steps": {k: len(v["host_ms"]) for k, v in times.items() if not k.startswith("_")},
         "ours_active": parsed["ours_active"],

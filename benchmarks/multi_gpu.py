@@ -33,10 +33,8 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +53,7 @@ from common import (
     parse_log,
     prepare_run,
     resolve_config,
+    run_logged,
     shown,
     shown_command,
     timing_input,
@@ -106,16 +105,8 @@ def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argpa
     sharded = gpus > 1 or cfg["training"].get("zero_stage", 0) > 0
     launch = ["torchrun", "--standalone", f"--nproc_per_node={gpus}"] if sharded else [sys.executable]
     cmd = [*launch, str(TIMED_DP), "--pt", "train", "input.json"]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=rundir, capture_output=True, text=True, env=env, timeout=args.timeout)
-        rc, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as err:
-        rc = -9
-        log = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (err.stdout, err.stderr))
-        log += f"\n(timed out after {args.timeout} s)"
-    (rundir / "train.log").write_text(log)
-    out: dict[str, Any] = {"command": shown_command(cmd), "returncode": rc, "wall_s": time.perf_counter() - t0}
+    rc, log, wall_s = run_logged(cmd, rundir, env, args.timeout)
+    out: dict[str, Any] = {"command": shown_command(cmd), "returncode": rc, "wall_s": wall_s}
     out.update(parse_log(log))
     # A compile child ran in this run (Triton's cache lacked a variant, or the ledger did not list it).
     out["compile_child"] = COMPILING_MARK in log
