@@ -582,10 +582,11 @@ def muon_factor(scale: torch.Tensor, multiplier: torch.Tensor | None, neg_lr: to
 def post_orthogonalize(ortho: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The rule after orthogonalisation: each matrix of a ``(batch, m, n)`` stack times its factor, into ``out``.
 
-    Multiplied in ``out``'s dtype; the parameter then takes ``p * decay + update``. The loop, the engine's
-    torch path and the FSDP2 owners call it; the Triton kernel applies the same factor as it stores.
+    Multiplied in float32 (float64 for a float64 ``out``) and rounded once to ``out``'s dtype, as the Triton kernel
+    does as it stores; the parameter then takes ``p * decay + update``. The loop, the engine's torch path and the
+    FSDP2 owners call it.
     """
-    return torch.mul(ortho, factor.view(-1, 1, 1).to(out.dtype), out=out)
+    return torch.mul(ortho, factor.view(-1, 1, 1).to(torch.promote_types(out.dtype, torch.float32)), out=out)
 
 
 def adam_bias_corrected(lr: float, beta1_pow: float, beta2_pow: float) -> tuple[float, float]:

@@ -681,7 +681,8 @@ def _parameters_doc(doc: str) -> str:
         text = option_doc(OPTION[name]) if name in OPTION else _OTHER_PARAMETERS[name]
         if parameter.kind is parameter.KEYWORD_ONLY:
             text += " Keyword-only."
-        body = textwrap.fill(text, 100, initial_indent=indent + "    ", subsequent_indent=indent + "    ")
+        pad = indent + "    "  # (not at hyphens: a wrapped "deepmd-kit" would read "deepmd- kit" joined)
+        body = textwrap.fill(text, 100, initial_indent=pad, subsequent_indent=pad, break_on_hyphens=False)
         entries.append(f"{indent}{'**' if parameter.kind is parameter.VAR_KEYWORD else ''}{name}\n{body}\n")
     return doc.rstrip(" ") + "".join(entries)
 

@@ -156,9 +156,9 @@ OPTIONS: tuple[Option, ...] = (
         "flash_muon",
         (bool,),
         True,
-        "Triton kernels on CUDA: one launch orthogonalises every Muon matrix whose smaller side is at "
-        "most 128 (in registers, or streamed for long matrices; larger ones take batched cuBLAS), one more "
-        "computes Magma for all blocks. "
+        "Triton kernels on CUDA: one program per matrix orthogonalises every Muon matrix whose smaller side "
+        "is at most 128 (in registers, or streamed for long matrices; larger ones take batched cuBLAS), in a "
+        "few launches per step; two more compute Magma for all blocks. "
         "They compile in the background on first use (the torch path runs meanwhile) and are cached by "
         "Triton. Off, or without Triton or a GPU: batched torch kernels for every matrix. (In deepmd-kit "
         "3.2.0 the flag selects a Triton kernel for matrices with a side of 1024 or more.)",

@@ -339,7 +339,7 @@ def _raw_score(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return F.magma_score(*F.magma_sums(m, g))
 
 
-def test_magma_raw_score_table() -> None:
+def test_magma_score_of_sums_table() -> None:
     g = torch.tensor([[1.0, 2.0, -3.0, 0.5]])
     ortho = torch.tensor([[2.0, -1.0, 0.0, 0.0]])  # <g, ortho> = 0
     assert float((g * ortho).sum()) == 0.0
@@ -372,7 +372,7 @@ def test_magma_score_from_partial_sums_is_the_raw_score() -> None:
     assert float(_raw_score(m, g).min()) > 0.5  # aligned on purpose: not the neutral score
 
 
-def test_magma_raw_score_rows_and_range() -> None:
+def test_magma_score_of_sums_rows_and_range() -> None:
     gen = torch.Generator().manual_seed(0)
     m = torch.randn(64, 20, generator=gen, dtype=torch.float64)
     g = torch.randn(64, 20, generator=gen, dtype=torch.float64)

@@ -275,7 +275,7 @@ def test_triton_engine_follows_a_parameter_given_new_storage(kernels, impl):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_triton_engine_skips_a_non_finite_step(kernels, bad):
-    """The gradient copy flags the non-finite span; nothing moves: parameters, moments, momentum, Magma."""
+    """A non-finite gradient skips the step with the Triton kernels: parameters, moments, momentum, Magma stay."""
     _, device = kernels
     _, opt = _run("engine-eager", True, device, KERNEL_SHAPES, 2, KERNEL_OPTION_SETS[0])
     assert opt.execution_table()[0]["kernels"] == "triton"

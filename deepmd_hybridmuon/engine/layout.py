@@ -9,7 +9,7 @@ changes). It holds
   become views of them (:func:`deepmd_hybridmuon.state.adopt`), so the state keeps the built-in layout;
 * the assignment of every Muon matrix to a path (:func:`assign`): one Triton program per
   matrix (:class:`Fused`) or a zero-padded stack of the torch path (:class:`Bucket`);
-* the device tables and workspaces of those paths (addresses, offsets, strides).
+* the device tables and workspaces of those paths (offsets, sides, strides).
 
 Nothing here runs the step: :mod:`.batched` does the arithmetic on these buffers.
 """
