@@ -97,6 +97,14 @@ VARIANTS = {
     "adamw": "adamw",
     "builtin": "builtin",
     "torch-muon": "torch-muon",
+    "ours-eager": "ours",
+    "ours-one-stream": "ours",
+}
+#: Ours in the design measurements: its constructor keywords, and whether its step runs on one stream.
+OURS_SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
+    "ours": ({}, False),
+    "ours-eager": ({"implementation": "engine-eager"}, False),  # no CUDA graph
+    "ours-one-stream": ({}, True),  # the graph without side streams
 }
 #: The variants a ``dp --pt train`` run can have -> (timing_input's variant, extra HybridMuon keys).
 TRAIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -166,7 +174,7 @@ def measure(
     """
     import torch
     from common import build_named_params
-    from step_time import environment, make_grad_pool, make_optimizer, routing_counts, warm_device
+    from step_time import environment, make_grad_pool, make_optimizer, one_stream, routing_counts, warm_device
 
     device = torch.device(device_spec)
     cuda = device.type == "cuda"
@@ -229,7 +237,10 @@ def measure(
     base, base_reserved = allocated(), reserved()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    opt = make_optimizer(VARIANTS[variant], named, device, {})
+    kw, single_stream = OURS_SETTINGS.get(variant, ({}, False))
+    if single_stream:
+        one_stream()
+    opt = make_optimizer(VARIANTS[variant], named, device, kw)
     sync()
     built = allocated()
     t0 = time.perf_counter()
@@ -237,7 +248,7 @@ def measure(
     sync()
     out["first_step_s"] = time.perf_counter() - t0
     after_first = allocated()
-    if variant == "ours" and cuda:
+    if variant in OURS_SETTINGS and cuda:
         from deepmd_hybridmuon import kernels
 
         t0 = time.perf_counter()
@@ -364,7 +375,7 @@ def train_run(
     env = prepare_run(rundir, cfg, variant == "builtin")
     env.update(STEP_TIMES_DIR="step_times", RECORD_MEMORY="1", TF_CPP_MIN_LOG_LEVEL="2")
     cuda = args.device.startswith("cuda")
-    if variant == "ours" and cuda:
+    if variant in OURS_SETTINGS and cuda:
         env["WAIT_FOR_KERNELS"] = str(args.kernel_wait)
     if not cuda:
         env["DEVICE"] = "cpu"  # deepmd's switch to the CPU

@@ -403,6 +403,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def one_stream() -> None:
+    """From now on ours captures every chain of its step on the current stream, none on side streams."""
+    from deepmd_hybridmuon.engine import batched, execution
+
+    execution.SideStreams = lambda device, count: batched.Lanes()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -412,9 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.compile_cache:
         torch.compiler.config.force_disable_caches = True
     if args.no_side_streams:
-        from deepmd_hybridmuon.engine import batched, execution
-
-        execution.SideStreams = lambda device, count: batched.Lanes()
+        one_stream()
     env = environment(device)
     print(f"# Optimizer step time on {env['device_name']}")
     print()
