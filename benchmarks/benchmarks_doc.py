@@ -286,6 +286,17 @@ def several_gpus_pairs() -> str:
     return table(head, rows, right=2) + "\n\n" + sources([PAIRS])
 
 
+#: The cost model's predictions (benchmarks/cost_model.py).
+COST_MODEL = "cost_model_2026-11-27.json"
+
+
+def cost_model() -> str:
+    sys.path.insert(0, str(HERE))
+    from cost_model import markdown
+
+    return markdown(load(COST_MODEL)["rows"]) + "\n\n" + sources([COST_MODEL])
+
+
 # ---------------------------------------------------------------------------- the step alone
 
 
@@ -757,6 +768,7 @@ BLOCKS = {
     "learning-rate": learning_rate,
     "several-gpus": several_gpus,
     "several-gpus-pairs": several_gpus_pairs,
+    "cost-model": cost_model,
     "step-alone": step_alone,
     "step-spread": step_spread,
     "cold-start": cold_start,
