@@ -28,7 +28,9 @@ of work done in the training process rather than in the compile process.
 
 With ``PROFILE_STEPS=0,1`` (indices of our optimizer's steps) those steps run under cProfile; the
 JSON holds, per step, its 40 costliest calls by cumulative time and 25 by own time under
-``"_step_profiles"``.
+``"_step_profiles"``. With ``PROFILE_KERNELS=1`` as well, they run under torch's profiler instead
+(CUDA activity included): per step, its operators and kernels by device time, then by host time,
+each with their counts (where a sharded step spends its time: kernels, copies, collectives, host).
 
 With ``WAIT_FOR_KERNELS=<seconds>``, after the first step of deepmd-hybridmuon's optimizer
 the run waits (at most that long) for the Triton kernels to compile, so that they land in
@@ -135,13 +137,27 @@ def main() -> int:
                 entry.between.append((end, start))
         entry.open = (start, now)
         if ours(opt) and ours_steps() in wanted:
-            import cProfile
+            if os.environ.get("PROFILE_KERNELS") == "1":
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                activities += [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+                profiling["profile"] = torch.profiler.profile(activities=activities)
+                profiling["profile"].__enter__()
+            else:
+                import cProfile
 
-            profiling["profile"] = cProfile.Profile()
-            profiling["profile"].enable()
+                profiling["profile"] = cProfile.Profile()
+                profiling["profile"].enable()
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if profiling["profile"] is not None and ours(opt):
+        if isinstance(profiling["profile"], torch.profiler.profile) and ours(opt):
+            if cuda:
+                torch.cuda.synchronize()  # the step's kernels inside the trace
+            profiling["profile"].__exit__(None, None, None)
+            table = profiling["profile"].key_averages().table
+            by_device = table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
+            profiling["texts"][ours_steps()] = by_device + "\n" + table(sort_by="self_cpu_time_total", row_limit=40)
+            profiling["profile"] = None
+        elif profiling["profile"] is not None and ours(opt):
             import io
             import pstats
 
