@@ -372,7 +372,7 @@ def _validate_optimizer(section: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------- routing
 
 #: One parameter: (branch, name, shape, route, matrix view, reason, elements, branch it is shared with or "").
-Row = tuple[str, str, tuple[int, ...], str, str, str, int, str]
+Row = tuple[str, str, tuple[int, ...], str, tuple[int, int, int] | None, str, int, str]
 
 
 def _models(model_section: dict[str, Any], shared_links: dict[str, Any] | None) -> dict[str, Any]:
@@ -400,10 +400,9 @@ def _routing_rows(models: dict[str, Any], muon_mode: str) -> list[Row]:
         for name, p in model.named_parameters():
             full = f"{key}.{name}" if key else name
             r = route_parameter(full, tuple(p.shape), muon_mode)
-            view = "x".join(str(d) for d in r.view) if r.view else "-"
             shared = first_branch.setdefault(id(p), key)
             rows.append(
-                (key, full, tuple(p.shape), r.route, view, r.reason, p.numel(), "" if shared == key else shared)
+                (key, full, tuple(p.shape), r.route, r.view, r.reason, p.numel(), "" if shared == key else shared)
             )
     return rows
 
@@ -422,7 +421,7 @@ def _print_paths(rows: list[Row], out: TextIO) -> None:
     """How many Muon matrices each Newton–Schulz path takes (``functional.on_triton``; shared parameters once)."""
     from .functional import TRITON_MAX_ROWS, on_triton
 
-    views = [tuple(int(d) for d in r[4].split("x")) for r in rows if r[3] == "muon" and not r[7]]
+    views = [r[4] for r in rows if r[4] is not None and not r[7]]
     triton = sum(bs for bs, m, n in views if on_triton(min(m, n)))
     total = sum(bs for bs, _, _ in views)
     print(
@@ -458,7 +457,8 @@ def _print_table(rows: list[Row], out: TextIO) -> None:
     width = max([len(r[1]) for r in rows] + [9])
     print("\nrouting table:", file=out)
     print(f"  {'parameter':{width}s}  {'shape':18s} {'route':6s} {'matrices':12s} reason", file=out)
-    for _, name, shape, route, view, reason, _, shared in rows:
+    for _, name, shape, route, matrices, reason, _, shared in rows:
+        view = "x".join(map(str, matrices)) if matrices else "-"
         also = f" (shared with {shared}: stepped there)" if shared else ""
         print(f"  {name:{width}s}  {shape!s:18s} {route:6s} {view:12s} {reason}{also}", file=out)
 

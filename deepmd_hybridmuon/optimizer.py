@@ -549,7 +549,7 @@ class HybridMuonOptimizer(Optimizer):
                     continue
                 if self.route_of(p, group).route == "muon":
                     continue
-                peak = float(torch.linalg.vector_norm(grad, float("inf")))
+                peak = float(F.peak(grad))
                 if peak >= F.ADAM_GRAD_LIMIT and math.isfinite(peak):
                     self._skips.logged = True  # this line says why: the count's line would repeat it
                     log.warning(

@@ -126,7 +126,7 @@ def misread_keys(group: dict[str, Any]) -> list[str]:
     Those are another spelling of an option (:data:`MISNAMED_KEYS`, a different case, or a close
     misspelling) and the hyperparameters of torch's other optimizers (``betas``, ``nesterov``, ...).
     """
-    known = set(GROUP_KEYS)
+    known = _GROUP_KEY_SET
     lower = {key.lower() for key in known}
     return sorted(
         key
