@@ -149,7 +149,8 @@ OPTIONS: tuple[Option, ...] = (
         (bool,),
         True,
         "Gram Newton-Schulz (Polar Express coefficients, fp16) for rectangular matrices; "
-        "square ones keep the bf16 standard iteration.",
+        "square ones keep the bf16 standard iteration. On the CPU, which has no fp16 hardware, the same "
+        "polynomials run in the bf16 standard form.",
         effect="build",
     ),
     Option(

@@ -287,6 +287,7 @@ def interpreter_workarounds() -> pytest.MonkeyPatch:
     """
     import triton.runtime.interpreter as interpreter
 
+    from deepmd_hybridmuon import functional as F
     from deepmd_hybridmuon import kernels as K
     from deepmd_hybridmuon.engine import compilation
 
@@ -300,6 +301,7 @@ def interpreter_workarounds() -> pytest.MonkeyPatch:
     mp.setattr(interpreter, "_patch_lang_tensor", patch)
     mp.setattr(K.common, "STANDARD_WORK_DTYPE", torch.float16)
     mp.setattr(compilation, "INTERPRETER_ON_CPU", True)  # the package's kernels on the CPU, with these workarounds
+    mp.setattr(F, "BFLOAT16_ONLY_DEVICES", frozenset())  # the oracle computes the GPU's arithmetic, as the kernels do
     return mp
 
 

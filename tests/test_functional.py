@@ -208,9 +208,24 @@ def test_gram_newton_schulz_iterates_over_its_schedule(restarts: tuple[int, ...]
     assert rel_fro(Y, F.gram_newton_schulz(G)) > 10 * GRAM_TOL
 
 
-def test_orthogonalize_dispatch() -> None:
+@pytest.mark.parametrize("shape", RECT_SHAPES, ids=str)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_cpu_runs_the_gram_polynomial_in_bfloat16(shape: tuple[int, int, int], seed: int) -> None:
+    G = random_matrices(shape, seed)
+    Y = F.orthogonalize(G, use_gram=True)
+    assert not F.gram_form(G.device) and Y.dtype == torch.bfloat16
+    # The Gram path's polynomial (its singular values and band, as above), rounded like the standard path:
+    # five bfloat16 steps, each ~2^-8, amplified by the steep first Polar Express steps. Measured <= 0.021 on
+    # these matrices (the float16 Gram form: <= 9.0e-3); the standard path's own bound, POLAR_TOL, holds it.
+    assert rel_fro(Y, spectral_prediction(G, list(F.POLAR_EXPRESS_COEFFS))) <= POLAR_TOL
+
+
+def test_orthogonalize_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     rect = random_matrices((2, 8, 12), seed=3)
     square = random_matrices((2, 8, 8), seed=3)
+    # On the CPU (no float16 hardware) the Gram schedule runs in the standard form
+    assert torch.equal(F.orthogonalize(rect, use_gram=True), F.newton_schulz(rect, F.gram_schedule().coeffs))
+    monkeypatch.setattr(F, "BFLOAT16_ONLY_DEVICES", frozenset())  # as on a GPU
     assert torch.equal(F.orthogonalize(rect, use_gram=True), F.gram_newton_schulz(rect))
     assert torch.equal(F.orthogonalize(rect, use_gram=False), F.newton_schulz(rect))
     # Square matrices always take the standard path.

@@ -187,7 +187,7 @@ class BatchedStep:
                 for off, bs, rows, cols, tall, part in b.inputs:
                     view = update[off : off + bs * rows * cols].view(bs, rows, cols)
                     part.copy_(view.mT if tall else view)
-                stacks.append(F.gram_newton_schulz(b.stack) if b.use_gram else F.newton_schulz(b.stack))
+                stacks.append(F.orthogonalize(b.stack, b.use_gram))
         return stacks
 
     def _muon(

@@ -29,17 +29,6 @@ from ..state import adopt
 MuonEntry = tuple[torch.Tensor, tuple[int, int, int]]
 
 
-def bucket_key(small: int, large: int, device: torch.device) -> tuple[int, int]:
-    """Bucket of a matrix by its sides.
-
-    On CUDA one bucket per path: padding costs idle FLOPs but saves launches, which
-    dominate at DeePMD sizes. On the CPU, FLOPs cost: one bucket per shape, no padding.
-    """
-    if device.type == "cuda":
-        return (0, 0)
-    return (small, large)
-
-
 def split_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of consecutive parts of ``flat``, shaped like ``params``."""
     return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params, strict=True)]
@@ -47,12 +36,12 @@ def split_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Te
 
 @dataclass
 class Bucket:
-    """Matrices of one path orthogonalised by the torch functions, in one zero-padded stack."""
+    """Matrices orthogonalised by ``functional.orthogonalize`` in one stack (zero-padded and wide on CUDA)."""
 
     use_gram: bool
     batch: int = 0
-    rows: int = 0  # M: the padded smaller side
-    cols: int = 0  # N: the padded larger side
+    rows: int = 0  # the stack's sides (CUDA: the padded smaller side, then the larger)
+    cols: int = 0
     members: list[tuple[int, int, int, int, int, bool]] = field(default_factory=list)
     # (flat offset, batch, rows, cols, batch offset in bucket, transposed)
     stack: torch.Tensor | None = None  # persistent zero-padded input
@@ -101,11 +90,15 @@ def assign(
                 f.meta.append([offset + i * rows * cols, f.size, small, large, *strides, block + i, 0])
                 f.size += rows * cols
         else:
-            b = buckets.setdefault((gram, bucket_key(small, large, device)), Bucket(gram))
-            b.members.append((offset, bs, rows, cols, b.batch, rows > cols))
+            # CUDA: one zero-padded stack per path, wide: padding costs idle FLOPs but saves launches, which
+            # dominate at DeePMD sizes. The CPU: FLOPs cost: one stack per shape, as it is (no padding, no transpose).
+            cuda = device.type == "cuda"
+            r, c = (small, large) if cuda else (rows, cols)
+            b = buckets.setdefault((gram, (0, 0) if cuda else (r, c)), Bucket(gram))
+            b.members.append((offset, bs, rows, cols, b.batch, cuda and rows > cols))
             b.blocks.extend(range(block, block + bs))
             b.batch += bs
-            b.rows, b.cols = max(b.rows, small), max(b.cols, large)
+            b.rows, b.cols = max(b.rows, r), max(b.cols, c)
         block += bs
         offset += bs * rows * cols
     return list(fused.values()), list(buckets.values())
@@ -254,16 +247,16 @@ class Layout:
     # ------------------------------------------------------------------ tables
 
     def _build_bucket(self, b: Bucket) -> None:
-        """The views into and out of a torch bucket's zero-padded stack, and the stack."""
+        """The views into and out of a torch bucket's stack, and the stack."""
         kw = {"device": self.device}
         # The stack holds the iteration's input dtype (float32 for the Gram path, bfloat16 for the
         # standard one), so the copy in converts, as the reference's first ``.to`` would.
-        dtype = torch.float32 if b.use_gram else torch.bfloat16
+        dtype = torch.float32 if b.use_gram and F.gram_form(self.device) else torch.bfloat16
         b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=dtype, **kw)
         b.inputs, b.outputs = [], []
         for off, bs, rows, cols, boff, tall in b.members:
             flat = self.muon_delta[off : off + bs * rows * cols].view(bs, rows, cols)
             b.outputs.append((boff, bs, flat.mT if tall else flat))
-            small, large = min(rows, cols), max(rows, cols)
-            b.inputs.append((off, bs, rows, cols, tall, b.stack[boff : boff + bs, :small, :large]))
+            r, c = (cols, rows) if tall else (rows, cols)
+            b.inputs.append((off, bs, rows, cols, tall, b.stack[boff : boff + bs, :r, :c]))
         b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, **kw)
