@@ -99,15 +99,12 @@ VARIANTS = {
     "torch-muon": "torch-muon",
     "ours-eager": "ours",
     "ours-one-stream": "ours",
-    "ours-eager-no-warm-up": "ours",
 }
-#: Ours in the design measurements: its constructor keywords, whether its step runs on one stream, and whether
-#: the optimizer's warm-up thread runs its half-precision products (engine.compilation.prepare_device).
-OURS_SETTINGS: dict[str, tuple[dict[str, Any], bool, bool]] = {
-    "ours": ({}, False, True),
-    "ours-eager": ({"implementation": "engine-eager"}, False, True),  # no CUDA graph
-    "ours-one-stream": ({}, True, True),  # the graph without side streams
-    "ours-eager-no-warm-up": ({"implementation": "engine-eager"}, False, False),
+#: Ours in the design measurements: its constructor keywords, and whether its step runs on one stream.
+OURS_SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
+    "ours": ({}, False),
+    "ours-eager": ({"implementation": "engine-eager"}, False),  # no CUDA graph
+    "ours-one-stream": ({}, True),  # the graph without side streams
 }
 #: The variants a ``dp --pt train`` run can have -> (timing_input's variant, extra HybridMuon keys).
 TRAIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -240,13 +237,9 @@ def measure(
     base, base_reserved = allocated(), reserved()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    kw, single_stream, warm_up = OURS_SETTINGS.get(variant, ({}, False, True))
+    kw, single_stream = OURS_SETTINGS.get(variant, ({}, False))
     if single_stream:
         one_stream()
-    if not warm_up:
-        from deepmd_hybridmuon.engine import compilation
-
-        compilation._warm_products = lambda device: None
     opt = make_optimizer(VARIANTS[variant], named, device, kw)
     sync()
     built = allocated()

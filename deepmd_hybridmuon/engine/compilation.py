@@ -6,9 +6,7 @@ that the way kernels are compiled (today :func:`deepmd_hybridmuon.kernels.prepar
 
 * :func:`triton_runs_on`: whether the kernels can run on a device at all;
 * :func:`kernels`: the kernels module (imported on first use: it imports Triton);
-* :func:`prepare_device`: when the optimizer is built, start off the training thread what
-  the first step would otherwise wait for (cuBLAS's half-precision kernels, Triton's set-up);
-  :func:`settle` waits for it before a CUDA graph capture;
+* :func:`prepare_device`: when the optimizer is built, start Triton's set-up off the training thread;
 * :func:`request`: ask for the variants a layout launches; returns an object with
   ``is_set()`` / ``wait(timeout)`` that is set once they are compiled, or ``None`` when
   one of them cannot be compiled (the engine then keeps the torch path).
@@ -16,9 +14,7 @@ that the way kernels are compiled (today :func:`deepmd_hybridmuon.kernels.prepar
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from types import ModuleType
 from typing import Any
 
@@ -69,48 +65,14 @@ def request(device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, in
     return kernels().prepare(device, dtype, paths, magma)
 
 
-#: Devices whose half-precision products were started (:func:`prepare_device`), and the thread doing it.
-_warming: dict[torch.device, threading.Thread] = {}
-
-
 def prepare_device(device: torch.device, flash_muon: bool) -> None:
-    """Start, off the training thread, what a first step on ``device`` would otherwise pay for.
+    """Start, off the training thread, the Triton set-up that a first step on ``device`` would otherwise wait for.
 
-    The optimizer calls it when it is built; both jobs run while deepmd starts its first
-    forward and backward pass:
-
-    * a thread runs one batched product in bfloat16 and one in float16 (:func:`_warm_products`):
-      cuBLAS loads its half-precision kernels at the first such product of a process,
-      0.12 s for each dtype (measured on an H200), which the torch path's first
-      Newton–Schulz iteration paid;
-    * with ``flash_muon``, where the Triton kernels run, they are imported (and hashed) in
-      this thread, and Triton's one-time set-up of the process starts in a thread of its
-      own (:meth:`~deepmd_hybridmuon.kernels.KernelRegistry.set_up`).
+    The optimizer calls it when it is built: with ``flash_muon``, where the Triton kernels run, they are imported
+    (and hashed) here, and Triton's one-time set-up of the process runs in a thread of its own
+    (:meth:`~deepmd_hybridmuon.kernels.KernelRegistry.set_up`) while deepmd starts its first forward and backward
+    pass. (cuBLAS's half-precision kernels load at the first step: 0.12 s per dtype on an H200, once per run. A
+    thread that loaded them earlier kept a cuBLAS workspace of its own, 32 MiB for the whole run: BENCHMARKS.md.)
     """
-    if device.type != "cuda":
-        return
-    if device not in _warming:
-        thread = threading.Thread(target=_warm_products, args=(device,), name="deepmd-hybridmuon-warm-up")
-        _warming[device] = thread
-        thread.start()
-    if flash_muon and triton_runs_on(device):
+    if device.type == "cuda" and flash_muon and triton_runs_on(device):
         kernels().set_up(device)
-
-
-def _warm_products(device: torch.device) -> None:
-    """One small batched product per half-precision dtype on ``device``, on a stream of its own."""
-    with contextlib.suppress(Exception):  # best effort: the first step loads the kernels otherwise
-        torch.cuda.set_device(device)  # this thread's current device
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
-            for dtype in (torch.bfloat16, torch.float16):
-                x = torch.zeros(2, 16, 16, device=device, dtype=dtype)
-                torch.baddbmm(x, x, x.mT)
-        stream.synchronize()
-
-
-def settle(device: torch.device) -> None:
-    """Wait for :func:`prepare_device`'s products on ``device``: no CUDA graph capture may overlap them."""
-    thread = _warming.get(device)
-    if thread is not None:
-        thread.join()

@@ -17,8 +17,7 @@ Contract of :class:`Executor`:
   on a high-priority side stream of its own (they are the step's critical path). This
   holds on the torch path while the Triton kernels compile too: they compile in another
   process, and this one loads them only between steps, when the optimizer asks whether
-  they are ready (and then builds a new engine), never inside a capture. A capture first
-  waits for the warm-up thread the optimizer started (:func:`.compilation.settle`).
+  they are ready (and then builds a new engine), never inside a capture.
 * **Replay.** Every later step replays that graph. The graph holds the addresses of the
   layout's buffers and of the parameters: anything that changes them (other parameters,
   a loaded state dict, ...) needs a new layout, hence a new executor; the optimizer
@@ -32,7 +31,6 @@ import contextlib
 
 import torch
 
-from . import compilation
 from .batched import BatchedStep, Lanes
 
 #: Eager steps before a CUDA graph of the step is captured.
@@ -113,7 +111,6 @@ class Executor:
         return self.graph is not None
 
     def _capture(self) -> None:
-        compilation.settle(self.device)  # no other thread's work may overlap a capture
         graph = torch.cuda.CUDAGraph()
         lanes = SideStreams(self.device, self.step.layout.lanes)
         with torch.cuda.graph(graph):
