@@ -673,7 +673,6 @@ MEMORY_VARIANTS = {
     "torch-muon": "torch.optim.Muon + AdamW",
     "ours-one-stream": "ours, its CUDA graph captured on one stream",
     "ours-eager": "ours without the CUDA graph (`engine-eager`)",
-    "ours-eager-no-warm-up": "ours without the CUDA graph and the warm-up thread",
 }
 
 
