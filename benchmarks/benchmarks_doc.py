@@ -256,34 +256,40 @@ def several_gpus() -> str:
     return table(head, rows, right=4) + "\n\n" + sources(list(dict.fromkeys(n for n, _, _ in MULTI)))
 
 
-#: Alternating pairs of ours and AdamW at each sharded stage, in one call.
-PAIRS = "multi_gpu_dpa3_h200x2_2026-11-27.json"
+#: Alternating pairs of ours and AdamW at each sharded stage, one call per file: (file, config).
+PAIRS = (
+    ("multi_gpu_dpa3_h200x2_2026-11-27.json", "dpa3_water"),
+    ("multi_gpu_dpa4_h200x2_2026-11-27.json", "dpa4_water"),
+    ("multi_gpu_dpa3_h200x4_2026-11-27.json", "dpa3_water"),
+)
 
 
 def several_gpus_pairs() -> str:
-    data = load(PAIRS)
-    runs = data["configs"]["dpa3_water"]["runs"]
     rows = []
-    for label in dict.fromkeys(k.rsplit("-", 1)[0] for k in runs if k != "warmup"):
-        got = {v: _run(PAIRS, "dpa3_water", f"{label}-{v}") for v in ("ours", "adamw")}
-        if not all(got.values()):
-            continue  # a pair the call's time limit cut
-        spb = {v: r["average_s_per_batch"] for v, r in got.items()}
-        ms = {v: r["optimizer_step"]["slowest_rank_median_ms"] for v, r in got.items()}
-        stage, _, pair = label.removeprefix("stage").partition("#")
-        rows.append(
-            [
-                STAGE[int(stage)],
-                pair or "1",
-                *(f4(spb[v]) for v in ("ours", "adamw")),
-                ratio(spb["ours"], spb["adamw"]),
-                f"{ms['ours']:.2f} / {ms['adamw']:.2f}",
-                ratio(ms["ours"], ms["adamw"]),
-            ]
-        )
-    head = ["zero_stage", "pair", "ours s/batch", "AdamW", VS_ADAMW, "step ms ours / AdamW"]
+    for name, config in PAIRS:
+        runs = load(name)["configs"][config]["runs"]
+        for label in dict.fromkeys(k.rsplit("-", 1)[0] for k in runs if k != "warmup"):
+            got = {v: _run(name, config, f"{label}-{v}") for v in ("ours", "adamw")}
+            if not all(got.values()):
+                continue  # a pair the call's time limit cut
+            spb = {v: r["average_s_per_batch"] for v, r in got.items()}
+            ms = {v: r["optimizer_step"]["slowest_rank_median_ms"] for v, r in got.items()}
+            stage, _, pair = label.removeprefix("stage").partition("#")
+            rows.append(
+                [
+                    MODEL.get(config, config),
+                    str(load(name)["gpus"]),
+                    STAGE[int(stage)],
+                    pair or "1",
+                    *(f4(spb[v]) for v in ("ours", "adamw")),
+                    ratio(spb["ours"], spb["adamw"]),
+                    f"{ms['ours']:.2f} / {ms['adamw']:.2f}",
+                    ratio(ms["ours"], ms["adamw"]),
+                ]
+            )
+    head = ["model", "GPUs", "zero_stage", "pair", "ours s/batch", "AdamW", VS_ADAMW, "step ms ours / AdamW"]
     head.append(f"step: ours {TIMES} AdamW's")
-    return table(head, rows, right=2) + "\n\n" + sources([PAIRS])
+    return table(head, rows, right=4) + "\n\n" + sources([name for name, _ in PAIRS])
 
 
 #: The cost model's predictions (benchmarks/cost_model.py).
