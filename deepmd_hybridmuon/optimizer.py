@@ -504,9 +504,11 @@ class HybridMuonOptimizer(Optimizer):
         # step before any other group has taken it.
         runners = [self._runner(index, group) for index, group in enumerate(self.param_groups)]
         gates = []
+        # what an FSDP2 runner (the owner computes) reads of this optimizer
+        ctx = distributed.Context(self.state, self.route_of, self.param_name, self._names_version, self.flash_muon)
         for group, runner in zip(self.param_groups, runners, strict=True):
             if isinstance(runner, distributed.FsdpGroup):
-                gates.append(runner.step(self._context(), group, shared))  # FSDP2: the owner computes
+                gates.append(runner.step(ctx, group, shared))
             elif runner is None:
                 gates.append(loop.step_group(self.state, group, self.route_of, shared))
             else:
@@ -516,22 +518,14 @@ class HybridMuonOptimizer(Optimizer):
     def _runner(self, index: int, group: dict[str, Any]) -> GroupEngine | distributed.FsdpGroup | None:
         """What steps group ``index``: its FSDP2 runner, its flat engine, or ``None`` for the loop."""
         if any(distributed.is_dtensor(p) for p in group["params"]):
-            return self._fsdp_group(index)
+            runner = self._runners.get(index)  # made at the group's first step; it rebuilds its plan when needed
+            if not isinstance(runner, distributed.FsdpGroup):
+                runner = self._runners[index] = distributed.FsdpGroup()
+            return runner
         engine = self._engine(index, group)
         if engine is None:
             check_sizes(self.state, group["params"], self._describe)
         return engine
-
-    def _fsdp_group(self, index: int) -> distributed.FsdpGroup:
-        """The FSDP2 runner of param_group ``index``, made at its first step (it rebuilds its plan when needed)."""
-        runner = self._runners.get(index)
-        if not isinstance(runner, distributed.FsdpGroup):
-            runner = self._runners[index] = distributed.FsdpGroup()
-        return runner
-
-    def _context(self) -> distributed.Context:
-        """What the FSDP2 step reads of this optimizer."""
-        return distributed.Context(self.state, self.route_of, self.param_name, self._names_version, self.flash_muon)
 
     def _log_adam_limit(self) -> None:
         """One log line, the first time a step is skipped for an Adam gradient above ``ADAM_GRAD_LIMIT``.

@@ -166,16 +166,11 @@ class BatchedStep:
         """``p <- p * decay + delta``, the decays gated, once every lane has written its updates."""
         L = self.layout
         self.lanes.join()
-        self._apply(F.gate_factor(self.muon_decay, ok, L.dtype), F.gate_factor(self.adamw_decay, ok, L.dtype))
-
-    def _apply(self, muon_decay: torch.Tensor, adamw_decay: torch.Tensor) -> None:
-        """p <- p * decay + delta for every parameter (decay: Muon's, AdamW's, or none for Adam)."""
-        L = self.layout
-        if L.weight_decay:
+        if L.weight_decay:  # decay: Muon's, AdamW's, or none for Adam
             if L.adamw:
-                torch._foreach_mul_(L.adamw, adamw_decay)
+                torch._foreach_mul_(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype))
             if L.muon:
-                torch._foreach_mul_([p for p, _ in L.muon], muon_decay)
+                torch._foreach_mul_([p for p, _ in L.muon], F.gate_factor(self.muon_decay, ok, L.dtype))
         torch._foreach_add_(L.staged, L.delta_views)
 
     def _start_buckets(self, update: torch.Tensor, lanes: Lanes) -> list[torch.Tensor]:
