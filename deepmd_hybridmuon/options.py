@@ -149,7 +149,7 @@ OPTIONS: tuple[Option, ...] = (
         (bool,),
         True,
         "Gram Newton-Schulz (Polar Express coefficients, fp16) for rectangular matrices; "
-        "square ones keep the bf16 standard iteration. On the CPU, which has no fp16 hardware, the same "
+        "square ones keep the bf16 standard iteration. On the CPU, where bf16 products are the fast ones, the same "
         "polynomials run in the bf16 standard form.",
         effect="build",
     ),

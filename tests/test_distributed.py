@@ -85,11 +85,11 @@ SPAWN_TIMEOUT = 240
 # order of float32 summation: Muon tensors within OWNER_RTOL_MUON, Adam tensors exact.
 #
 #: The flat engine (one process, the default implementation) against the loop (what FSDP2 runs,
-#: and each ZeRO-1 rank's engine on its partition): zero padding and bucketing change
-#: bfloat16/float16 roundings (test_parity_builtin.ENGINE_VS_LOOP_RTOL, 2^-7 = 7.8e-3).
-#: Measured here after 5 steps, worst parameter: FSDP2 vs one-process engine 4.3e-3
-#: (``extra.slab``, Gram path; Adam routes 0.0); ZeRO-1 engines vs one-process engine 7.6e-4
-#: (one matrix; every other parameter bitwise equal).
+#: and each ZeRO-1 rank's engine on its partition): zero padding and bucketing (on a GPU) and the float16
+#: Gram form change roundings (test_parity_builtin.ENGINE_VS_LOOP_RTOL, 2^-7 = 7.8e-3).
+#: Measured here after 5 steps, worst parameter, when the CPU still ran the float16 Gram form: FSDP2 vs
+#: one-process engine 4.3e-3 (``extra.slab``, Gram path; Adam routes 0.0); ZeRO-1 engines vs one-process
+#: engine 7.6e-4 (one matrix; every other parameter bitwise equal).
 ENGINE_RTOL_MUON = 2.0**-7
 ENGINE_RTOL_ADAM = 1e-6
 #: FSDP2 (the owner computes) against the single-process loop (muon tensors). The owner runs the loop's

@@ -215,9 +215,10 @@ def test_the_cpu_runs_the_gram_polynomial_in_bfloat16(shape: tuple[int, int, int
     Y = F.orthogonalize(G, use_gram=True)
     assert not F.gram_form(G.device) and Y.dtype == torch.bfloat16
     # The Gram path's polynomial (its singular values and band, as above), rounded like the standard path:
-    # five bfloat16 steps, each ~2^-8, amplified by the steep first Polar Express steps. Measured <= 0.021 on
-    # these matrices (the float16 Gram form: <= 9.0e-3); the standard path's own bound, POLAR_TOL, holds it.
-    assert rel_fro(Y, spectral_prediction(G, list(F.POLAR_EXPRESS_COEFFS))) <= POLAR_TOL
+    # five bfloat16 steps, each leaving ~2^-8, amplified by the steep first Polar Express steps (slope ~7.9
+    # near 0). Measured <= 0.021 on these matrices (the float16 Gram form: <= 9.0e-3); ten bfloat16 units,
+    # 0.039, leave a factor of about two.
+    assert rel_fro(Y, spectral_prediction(G, list(F.POLAR_EXPRESS_COEFFS))) <= 10 * BF16_U
 
 
 def test_orthogonalize_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:

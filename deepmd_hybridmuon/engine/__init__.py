@@ -7,7 +7,7 @@ buffers, one job per module:
 * :mod:`.layout` (data only): which parameter goes where. Flat gradient, update and
   state buffers (the optimizer's per-parameter state entries are views of them, in the
   built-in layout); every Muon matrix assigned to a path: one Triton program per matrix,
-  or a zero-padded stack of the torch path; their device tables.
+  or a stack of the torch path (zero-padded on CUDA); their device tables.
 * :mod:`.batched` (arithmetic only): one step on those buffers, reading nothing that
   changes between steps but a few static input tensors. The math itself comes from
   :mod:`deepmd_hybridmuon.functional` (torch path) and :mod:`deepmd_hybridmuon.kernels`

@@ -7,7 +7,7 @@ The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`)
 * Adam/AdamW: a few flat moment/denominator kernels into the update buffer;
 * Muon: momentum and Nesterov update over the flat buffers, then per matrix a factor
   (Muon scale x Magma x -lr) and the orthogonalised update times that factor: the
-  layout's Triton launches and zero-padded torch stacks (zero padding
+  layout's Triton launches and torch stacks (zero-padded on CUDA: zero padding
   commutes with both Newton–Schulz variants in exact arithmetic: zero rows and columns
   stay zero, the Gram matrix of the real rows is unchanged; only rounding differs);
 * out: ``p <- p * decay + update`` (a ``_foreach_mul_`` and a ``_foreach_add_``).

@@ -8,7 +8,8 @@ changes). It holds
   Magma scores. The optimizer's per-parameter state entries (``state[p]["exp_avg"]``...)
   become views of them (:func:`deepmd_hybridmuon.state.adopt`), so the state keeps the built-in layout;
 * the assignment of every Muon matrix to a path (:func:`assign`): one Triton program per
-  matrix (:class:`Fused`) or a zero-padded stack of the torch path (:class:`Bucket`);
+  matrix (:class:`Fused`) or a stack of the torch path (:class:`Bucket`: zero-padded on CUDA, one per shape on
+  the CPU);
 * the device tables and workspaces of those paths (offsets, sides, strides).
 
 Nothing here runs the step: :mod:`.batched` does the arithmetic on these buffers.
@@ -44,11 +45,11 @@ class Bucket:
     cols: int = 0
     members: list[tuple[int, int, int, int, int, bool]] = field(default_factory=list)
     # (flat offset, batch, rows, cols, batch offset in bucket, transposed)
-    stack: torch.Tensor | None = None  # persistent zero-padded input
+    stack: torch.Tensor | None = None  # persistent input (zero-padded on CUDA)
     blocks: list[int] = field(default_factory=list)  # global block index of each stack row
     # per member: (flat offset, batch, rows, cols, transposed, its part of the stack)
     inputs: list[tuple[int, int, int, int, bool, torch.Tensor]] = field(default_factory=list)
-    # per member: (batch offset in bucket, batch, its muon_delta in wide orientation)
+    # per member: (batch offset in bucket, batch, its muon_delta as the stack holds it: wide on CUDA)
     outputs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     block_ids: torch.Tensor | None = None
 
@@ -227,8 +228,7 @@ class Layout:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
             adopt(state, params, "magma_score", self.scores.split([bs for bs, _, _ in views]), reshape=False)
 
-        # Each matrix goes to a Triton launch (with the kernels) or to a zero-padded stack
-        # of the torch path.
+        # Each matrix goes to a Triton launch (with the kernels) or to a stack of the torch path.
         fused, buckets = assign(views, K, bool(group["enable_gram"]), self.device)
         for f in fused:
             build_fused(K, f, self.device)
@@ -249,8 +249,8 @@ class Layout:
     def _build_bucket(self, b: Bucket) -> None:
         """The views into and out of a torch bucket's stack, and the stack."""
         kw = {"device": self.device}
-        # The stack holds the iteration's input dtype (float32 for the Gram path, bfloat16 for the
-        # standard one), so the copy in converts, as the reference's first ``.to`` would.
+        # The stack holds the iteration's input dtype (float32 for the Gram form, bfloat16 for the standard
+        # one: functional.gram_form), so the copy in converts, as the reference's first ``.to`` would.
         dtype = torch.float32 if b.use_gram and F.gram_form(self.device) else torch.bfloat16
         b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=dtype, **kw)
         b.inputs, b.outputs = [], []
