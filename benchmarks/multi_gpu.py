@@ -126,7 +126,9 @@ def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argpa
 
 
 def _params(rundir: Path, steps: int) -> dict[str, torch.Tensor]:
-    ckpt = torch.load(rundir / f"model.ckpt-{steps}.pt", map_location="cpu", weights_only=False)
+    name = f"model.ckpt-{steps}.pt"
+    path = next(iter(sorted(rundir.rglob(name))), rundir / name)  # under the input's save_dir, if it has one (DPA-4)
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
     return {k: v.double() for k, v in ckpt["model"].items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
 
