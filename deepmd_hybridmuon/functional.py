@@ -518,17 +518,12 @@ def nesterov_momentum_(
     number, or a float64 0-dim tensor on ``buf``'s device (the flat engine's captured step reads it
     from the device): the same arithmetic, the Nesterov blend in ``buf``'s compute dtype either way.
     """
-    if isinstance(momentum, torch.Tensor):
-        weight = (1.0 - momentum).to(buf.dtype)
-        buf.lerp_(grad, weight if ok is None else ok.to(buf.dtype) * weight)
-        compute = torch.promote_types(buf.dtype, torch.float32)  # where lerp with a number computes
-        return torch.lerp(grad.to(compute), buf.to(compute), momentum.to(compute)).to(buf.dtype)
-    if ok is not None:
-        buf.lerp_(grad, ok.to(buf.dtype) * (1.0 - momentum))
-    else:
-        weight = 1.0 - momentum
-        buf.lerp_(grad, weight if buf.element_size() > 2 else torch.tensor(weight, dtype=buf.dtype).item())
-    return torch.lerp(grad, buf, momentum)
+    tensor = isinstance(momentum, torch.Tensor)
+    weight = (1.0 - momentum).to(buf.dtype) if tensor else torch.tensor(1.0 - momentum, dtype=buf.dtype).item()
+    buf.lerp_(grad, weight if ok is None else ok.to(buf.dtype) * weight)
+    compute = torch.promote_types(buf.dtype, torch.float32)  # where lerp with a number computes
+    beta = momentum.to(compute) if tensor else momentum
+    return torch.lerp(grad.to(compute), buf.to(compute), beta).to(buf.dtype)
 
 
 def magma_score(

@@ -504,10 +504,11 @@ class HybridMuonOptimizer(Optimizer):
         # step before any other group has taken it.
         runners = [self._runner(index, group) for index, group in enumerate(self.param_groups)]
         gates = []
-        # what an FSDP2 runner (the owner computes) reads of this optimizer
-        ctx = distributed.Context(self.state, self.route_of, self.param_name, self._names_version, self.flash_muon)
         for group, runner in zip(self.param_groups, runners, strict=True):
-            if isinstance(runner, distributed.FsdpGroup):
+            if isinstance(runner, distributed.FsdpGroup):  # the owner computes, reading these of the optimizer
+                ctx = distributed.Context(
+                    self.state, self.route_of, self.param_name, self._names_version, self.flash_muon
+                )
                 gates.append(runner.step(ctx, group, shared))
             elif runner is None:
                 gates.append(loop.step_group(self.state, group, self.route_of, shared))
