@@ -292,6 +292,61 @@ def several_gpus_pairs() -> str:
     return table(head, rows, right=4) + "\n\n" + sources([name for name, _ in PAIRS])
 
 
+#: The scaling runs, one file per number of GPUs, all on one 4-GPU machine: (file, config).
+SCALING = (
+    ("scaling_dpa3_g1_h200x4_2026-11-27.json", "dpa3_water"),
+    ("scaling_dpa3_g2_h200x4_2026-11-27.json", "dpa3_water"),
+    ("scaling_dpa3_g4_h200x4_2026-11-27.json", "dpa3_water"),
+)
+SCALING_VARIANTS = ("ours", "adamw", "builtin")
+
+
+def scaling_rows() -> list[dict[str, Any]]:
+    """One row per (GPUs, stage, round): each variant's s/batch, frames/s and efficiency (None: no run).
+
+    Frames per second: the GPUs times the batch size (frames) over the s/batch, every rank taking its own batch.
+    Efficiency: the frames/s over the GPUs times the same optimizer's one-GPU frames/s (the mean of its rounds).
+    """
+    rows = []
+    for name, config in SCALING:
+        data = load(name)
+        per = data["configs"][config]
+        batch = json.loads((HERE.parent / per["config"]).read_text())["training"]["training_data"]["batch_size"]
+        for label in dict.fromkeys(k.rsplit("-", 1)[0] for k in per["runs"] if k != "warmup"):
+            spb = {}
+            for v in SCALING_VARIANTS:
+                run = _run(name, config, f"{label}-{v}")
+                spb[v] = run["average_s_per_batch"] if run else None
+            stage, _, round_ = label.removeprefix("stage").partition("#")
+            rate = {v: data["gpus"] * batch / s if s else None for v, s in spb.items()}
+            rows.append({"gpus": data["gpus"], "stage": int(stage), "round": round_ or "1", "spb": spb, "rate": rate})
+    for v in SCALING_VARIANTS:
+        single = [r["rate"][v] for r in rows if r["gpus"] == 1 and r["rate"][v]]
+        for r in rows:
+            r.setdefault("eff", {})[v] = r["rate"][v] / (r["gpus"] * mean(single)) if single and r["rate"][v] else None
+    return rows
+
+
+def scaling() -> str:
+    def cells(values: dict[str, float | None], fmt: str) -> list[str]:
+        return [format(values[v], fmt) if values[v] else DASH for v in SCALING_VARIANTS]
+
+    rows = [
+        [
+            str(r["gpus"]),
+            STAGE[r["stage"]] if r["gpus"] > 1 else "one process",
+            r["round"],
+            *cells(r["spb"], ".4f"),
+            *cells(r["rate"], ".2f"),
+            " / ".join(cells(r["eff"], ".2f")),
+        ]
+        for r in scaling_rows()
+    ]
+    head = ["GPUs", "zero_stage", "round", "ours s/batch", "AdamW", "built-in", "ours frames/s", "AdamW", "built-in"]
+    head.append("efficiency ours / AdamW / built-in")
+    return table(head, rows, right=3) + "\n\n" + sources([name for name, _ in SCALING])
+
+
 #: The cost model's predictions (benchmarks/cost_model.py).
 COST_MODEL = "cost_model_2026-11-27.json"
 
@@ -773,6 +828,7 @@ BLOCKS = {
     "learning-rate": learning_rate,
     "several-gpus": several_gpus,
     "several-gpus-pairs": several_gpus_pairs,
+    "scaling": scaling,
     "cost-model": cost_model,
     "step-alone": step_alone,
     "step-spread": step_spread,
