@@ -289,7 +289,7 @@ class HybridMuonOptimizer(Optimizer):
         self._state_version = 0  # bumped when a state dict is loaded
         self._adam_limit_logged = False  # _log_adam_limit's one line was written
         # One runner per param_group (its engine, or its FSDP2 plan), each rebuilt by its own rule.
-        self._runners: dict[int, GroupEngine | distributed.FsdpGroup] = {}
+        self._runners: dict[int, GroupEngine] = {}
         self._checked: dict[int, tuple] = {}  # each group's values as step() last validated them
         self._steps_taken = 0  # by this object (the log says from which step the Triton kernels run)
         self._skips = SkipCount()
@@ -505,24 +505,14 @@ class HybridMuonOptimizer(Optimizer):
         runners = [self._runner(index, group) for index, group in enumerate(self.param_groups)]
         gates = []
         for group, runner in zip(self.param_groups, runners, strict=True):
-            if isinstance(runner, distributed.FsdpGroup):  # the owner computes, reading these of the optimizer
-                ctx = distributed.Context(
-                    self.state, self.route_of, self.param_name, self._names_version, self.flash_muon
-                )
-                gates.append(runner.step(ctx, group, shared))
-            elif runner is None:
+            if runner is None:
                 gates.append(loop.step_group(self.state, group, self.route_of, shared))
             else:
                 gates.append(runner.step(group, shared))
         self._skips.count([gate for gate in gates if gate is not None])
 
-    def _runner(self, index: int, group: dict[str, Any]) -> GroupEngine | distributed.FsdpGroup | None:
-        """What steps group ``index``: its FSDP2 runner, its flat engine, or ``None`` for the loop."""
-        if any(distributed.is_dtensor(p) for p in group["params"]):
-            runner = self._runners.get(index)  # made at the group's first step; it rebuilds its plan when needed
-            if not isinstance(runner, distributed.FsdpGroup):
-                runner = self._runners[index] = distributed.FsdpGroup()
-            return runner
+    def _runner(self, index: int, group: dict[str, Any]) -> GroupEngine | None:
+        """What steps group ``index``: its flat engine (FSDP2's shards: ``distributed.ShardedEngine``), or the loop."""
         engine = self._engine(index, group)
         if engine is None:
             check_sizes(self.state, group["params"], self._describe)
@@ -603,18 +593,19 @@ class HybridMuonOptimizer(Optimizer):
         """
         if self._implementation not in IMPLEMENTATIONS:
             raise ValueError(f"Invalid _implementation: {self._implementation!r}; expected one of {IMPLEMENTATIONS}")
-        if self._implementation == "loop":
+        sharded = any(distributed.is_dtensor(p) for p in group["params"])
+        kind = distributed.ShardedEngine if sharded else GroupEngine
+        if self._implementation == "loop" and not sharded:  # the loop cannot step shards
             return None
         engine = self._runners.get(index)
-        engine = engine if isinstance(engine, GroupEngine) else None
         signature = self._engine_signature(group)
         if engine is not None and engine.signature == signature and engine.matches(group) and not engine.outdated:
             return engine
-        if not GroupEngine.supports(group):
+        if not kind.supports(group):
             return None
         check_sizes(self.state, group["params"], self._describe)
         kernels_ready = engine is not None and engine.outdated
-        engine = self._runners[index] = GroupEngine(
+        engine = self._runners[index] = kind(
             group,
             [self.route_of(p, group) for p in group["params"]],
             self.state,
@@ -644,12 +635,13 @@ class HybridMuonOptimizer(Optimizer):
         rows = []
         for index, group in enumerate(self.param_groups):
             runner = self._runners.get(index)
-            if any(distributed.is_dtensor(p) for p in group["params"]):  # not stepped yet: no runner is made here
-                fsdp = runner if isinstance(runner, distributed.FsdpGroup) else distributed.FsdpGroup()
-                rows.append(fsdp.summary())
-                continue
-            fresh = isinstance(runner, GroupEngine) and runner.signature == self._engine_signature(group)
-            rows.append(runner.summary() if fresh else {"implementation": "loop"})
+            fresh = runner is not None and runner.signature == self._engine_signature(group)
+            if fresh:
+                rows.append(runner.summary())
+            elif any(distributed.is_dtensor(p) for p in group["params"]):  # FSDP2, not stepped yet
+                rows.append({"implementation": "fsdp2", "kernels": "torch", "torch_matrices": []})
+            else:
+                rows.append({"implementation": "loop"})
         return rows
 
 

@@ -310,12 +310,23 @@ def adopt(
     The flat engine keeps each state tensor as a view of one flat buffer: an entry of the view's
     shape is copied in first (state loaded, or written by the loop or an earlier engine), any
     other starts from the view's contents. With ``reshape`` (parameter-shaped state), a
-    parameter reshaped in place keeps its state, as in the loop (:func:`follow_shape`).
+    parameter reshaped in place keeps its state, as in the loop (:func:`follow_shape`), and the
+    state of an FSDP2 parameter stays a DTensor laid out like it, ``views`` holding its local shards.
     """
     for p, view in zip(params, views, strict=True):
         if reshape:
             follow_shape(state[p], (key,), p)
         old = state[p].get(key)
-        if isinstance(old, torch.Tensor) and old.shape == view.shape:
-            view.copy_(old)
-        state[p][key] = view
+        sharded = reshape and is_dtensor(p)  # ``view`` is the local shard of a DTensor state
+        if isinstance(old, torch.Tensor):
+            old = local_state(state, p, key) if sharded else old.full_tensor() if is_dtensor(old) else old
+            if old.shape == view.shape:
+                view.copy_(old)
+        state[p][key] = _like(view, p) if sharded else view
+
+
+def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The DTensor laid out like the DTensor ``p`` whose local shard is ``local`` (sharing its storage)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

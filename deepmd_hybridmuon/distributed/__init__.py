@@ -4,11 +4,12 @@
   order, global shapes, routes, matrix views, world size) gives every Muon matrix an owner
   rank, balancing Newton–Schulz cost; every rank computes the same plan. Every collective
   goes through one door that :func:`trace_collectives` records.
-* :mod:`.local`: the step's work on a rank's shards: the Adam routes, Muon momentum, decay
-  and Magma sums batched over a group, and the owners' Newton–Schulz: the engine's Triton
-  launches where they apply (:class:`OwnedKernels`), else stacked by shape.
-* :mod:`.fsdp`: the step: shards travel to the owners and the updates back in two
-  ``all_to_all_single`` per step, plus the gate and Magma all-reduces.
+* :mod:`.fsdp`: the step (:class:`ShardedEngine`): the flat engine on a rank's shards, whose
+  Muon updates travel to the owners and back in two ``all_to_all_single`` per step, plus the
+  gate and Magma all-reduces.
+* :mod:`.local`: what the engine does not: Magma's sums over a rank's pieces of the matrices,
+  and the owners' Newton–Schulz: the engine's Triton launches where they apply
+  (:class:`OwnedKernels`), else stacked by shape.
 
 DDP (``zero_stage`` 0) needs nothing here: every replica steps the whole group with the flat
 engine, as one process does, and the replicas stay bitwise identical. (Splitting the
@@ -21,17 +22,16 @@ is skipped because of local data (that would deadlock).
 """
 
 from ..dtensor import is_dtensor, local_shard
-from .fsdp import Context, FsdpGroup, from_owners, to_owners
+from .fsdp import ShardedEngine, from_owners, to_owners
 from .local import SEGMENT_BLOCK, OwnedKernels
 from .plan import ParamLayout, Plan, build_plan, chunk_rows, ns_cost, trace_collectives
 
 __all__ = [
     "SEGMENT_BLOCK",
-    "Context",
-    "FsdpGroup",
     "OwnedKernels",
     "ParamLayout",
     "Plan",
+    "ShardedEngine",
     "build_plan",
     "chunk_rows",
     "from_owners",

@@ -4,12 +4,11 @@ Under FSDP2 every parameter, gradient and parameter-shaped state tensor is a DTe
 sharded on dim 0 with ``torch.chunk`` semantics (uneven; trailing ranks may hold empty
 shards). This module runs the step of one param_group of such DTensors:
 
-* **Elementwise work on the local shards**, batched over parameters: the Adam/AdamW
-  routes, the Muon momentum and the decoupled weight decay are elementwise, so each
-  rank applies the same :mod:`deepmd_hybridmuon.functional` rules to its shards,
-  concatenated into one flat tensor per bucket (one kernel chain per bucket, not per
-  parameter). Elementwise kernels give the same bits on a concatenation, so the Adam
-  routes match one process bitwise.
+* **Elementwise work on the local shards, by the flat engine**: the Adam/AdamW routes,
+  the Muon momentum and the decoupled weight decay are elementwise, so each rank runs the
+  engine's phases (:class:`ShardedEngine`) on a layout of its shards: flat buffers made
+  once, the state as views of them (DTensors laid out like the parameters), the gradients
+  copied in by one ``_foreach_copy_`` and the parameters written by one ``_foreach_add_``.
 * **Each Muon matrix is orthogonalised once, on its owner.** A :class:`Plan`, computed
   from metadata alone (parameter order, global shapes, routes and matrix views, mesh
   size), gives every matrix an owner rank, balancing Newton–Schulz cost; every rank
@@ -23,7 +22,8 @@ shards). This module runs the step of one param_group of such DTensors:
   (sum) gives every rank the whole-matrix sums. Every rank then updates every Magma
   score, so ``magma_score`` stays replicated: a plain float32 ``(batch,)`` tensor per
   Muon parameter, equal on every rank, as in one process (checkpoints are unchanged).
-* **The finite gate** is one ``all_reduce`` (min) of the local flag per mesh dimension.
+* **The finite gate** is one ``all_reduce`` (min) of the local flag per mesh dimension
+  (none with ``nonfinite_across_ranks``: the optimizer's gate is agreed over all ranks).
 
 The collectives of one group's step are therefore a fixed sequence whatever the number
 of parameters: gate all-reduce (one per mesh dimension), Magma all-reduce (when Magma is
@@ -41,13 +41,14 @@ must be the same on every rank, as FSDP2's own reduce-scatter requires.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import step
+from .. import functional as F
+from ..engine.batched import BatchedStep, StepInputs
+from ..engine.group import GroupEngine
+from ..engine.layout import Layout
 from . import local
 from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan
 
@@ -168,7 +169,7 @@ def from_owners(ex: _Exchange, owned: torch.Tensor, pg: Any) -> torch.Tensor:
 # ----------------------------------------------------------------------------- step
 
 
-def _mesh_of(params: list[torch.Tensor]) -> tuple[Any, int]:
+def mesh_of(params: list[torch.Tensor]) -> tuple[Any, int]:
     """The device mesh of a group's DTensor parameters and its sharded dimension.
 
     Raises ``NotImplementedError`` for layouts other than ``(Shard(0),)`` on a 1-D mesh
@@ -204,119 +205,91 @@ def _mesh_of(params: list[torch.Tensor]) -> tuple[Any, int]:
     return mesh, dim
 
 
-@dataclass(frozen=True)
-class Context:
-    """What an FSDP2 step reads of the optimizer, handed to it each step (never the optimizer itself).
+class ShardedEngine(GroupEngine):
+    """The flat engine on this rank's FSDP2 shards (module docstring); the owners orthogonalise the matrices.
 
-    ``state``: the optimizer's per-parameter state; ``route_of(p, group)`` and ``param_name(p)``:
-    its routing and naming; ``names_version``: changes when the names (hence routes) change;
-    ``flash_muon``: whether the owners may run the Triton kernels.
+    The layout holds the local shards (no Newton–Schulz paths: no matrix is whole here); the state
+    stays DTensors laid out like the parameters, as views of the layout's flat buffers. Rebuilt by the
+    engine's rules (the optimizer's signature, :meth:`GroupEngine.matches`). Never captured in a CUDA graph:
+    the step's collectives run between its phases.
     """
 
-    state: dict
-    route_of: Callable[[torch.Tensor, dict[str, Any]], Any]
-    param_name: Callable[[torch.Tensor], str | None]
-    names_version: int
-    flash_muon: bool
+    PATHS = False
+    CUDA_GRAPH = False
 
-
-class FsdpGroup:
-    """The runner of one param_group of FSDP2 DTensors: its plan and this rank's exchange.
-
-    Rebuilt by one rule: when the key of :meth:`prepare` changes (the active parameters, the
-    names' version, ``muon_mode``, the shard mesh's size and this rank's place in it, the kernel
-    flag). ``plan`` and ``exchange`` are those of the last step (``None`` before it).
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.plan: Plan | None = None
-        self.exchange: _Exchange | None = None
-
-    def prepare(self, ctx: Context, group: dict[str, Any]) -> tuple[Any, int]:
-        """Bring ``plan`` and ``exchange`` up to date for ``group``; return the mesh and its sharded dimension."""
+    @staticmethod
+    def supports(group: dict[str, Any]) -> bool:
+        """Whether a group of DTensors has anything to step; ``NotImplementedError`` for layouts it cannot."""
         params = [p for p in group["params"] if p.numel() > 0]
-        mesh, dim = _mesh_of(params) if params else (None, 0)
-        active = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None and p.numel() > 0]
-        world = mesh.size(dim) if mesh is not None else 1
-        rank = mesh.get_local_rank(dim) if mesh is not None else 0
-        key = (tuple(id(p) for _, p in active), ctx.names_version, group["muon_mode"], world, rank, ctx.flash_muon)
-        if key != self.key:
-            plan = build_plan([(i, tuple(p.shape), ctx.route_of(p, group)) for i, p in active], world)
-            for layout, (_, p) in zip(plan.params, active, strict=True):
-                lo, hi = layout.ranges[rank]
-                shard = p.to_local()
-                if p.dim() == 0 or tuple(shard.shape) != (hi - lo, *layout.shape[1:]):
-                    raise NotImplementedError(
-                        f"FSDP2 shard of parameter {ctx.param_name(p) or layout.index} (shape {layout.shape}) has "
-                        f"local shape {tuple(shard.shape)} on shard rank {rank}; HybridMuon expects torch.chunk's "
-                        f"rows {lo}..{hi} of dim 0"
-                    )
-            device = torch.device(mesh.device_type) if mesh is not None else torch.device("cpu")
-            self.key, self.plan, self.exchange = key, plan, _Exchange(plan, rank, device, ctx.flash_muon)
-        return mesh, dim
+        if params:
+            mesh_of(params)
+        dtypes = {p.dtype for p in params if p.grad is not None}
+        if len(dtypes) > 1:
+            raise NotImplementedError(
+                f"parameters of one param_group in several dtypes {sorted(map(str, dtypes))} under FSDP2; "
+                "HybridMuon needs one parameter dtype per group there"
+            )
+        return bool(dtypes)
+
+    def _batched(self, inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
+        index = {id(p): i for i, p in enumerate(self.group_params)}
+        active = [(index[id(p)], p, r) for p, r in self.active]  # with their positions in the group
+        mesh, dim = mesh_of([p for _, p, _ in active])
+        world, rank = mesh.size(dim), mesh.get_local_rank(dim)
+        self.plan = build_plan([(i, tuple(p.shape), r) for i, p, r in active], world)
+        for layout, (_, p, _) in zip(self.plan.params, active, strict=True):
+            lo, hi = layout.ranges[rank]
+            shard = p.to_local()
+            if p.dim() == 0 or tuple(shard.shape) != (hi - lo, *layout.shape[1:]):
+                raise NotImplementedError(
+                    f"FSDP2 shard of the parameter of shape {layout.shape} has local shape {tuple(shard.shape)} "
+                    f"on shard rank {rank}; HybridMuon expects torch.chunk's rows {lo}..{hi} of dim 0"
+                )
+        device = torch.device(mesh.device_type)
+        self.exchange = _Exchange(self.plan, rank, device, flash_muon)
+        return ShardedStep(self.layout, inputs, shared_gate, self.exchange, mesh, dim)
 
     def summary(self) -> dict[str, Any]:
-        """The ``execution_table`` row: its owners' Newton–Schulz on this rank."""
-        if self.exchange is None:
-            return {"implementation": "fsdp2", "kernels": "torch", "torch_matrices": []}
+        """The ``execution_table`` row: the owners' Newton–Schulz on this rank."""
         return {"implementation": "fsdp2", **local.kernels_summary(self.exchange.kernels, self.exchange.groups)}
 
-    def step(self, ctx: Context, group: dict[str, Any], shared: torch.Tensor | None = None) -> torch.Tensor | None:
-        """One step of the group (see the module docstring); returns its finite gate (``None``: nothing to step).
 
-        ``shared``: the finite flag already agreed across ranks (``nonfinite_across_ranks``),
-        combined with this group's gate.
-        """
-        mesh, shard_dim = self.prepare(ctx, group)
-        if mesh is None:
-            return None  # only size-0 parameters: nothing to shard, nothing to step
-        assert self.plan is not None and self.exchange is not None  # prepare built them
-        return step.run(_Phases(ctx.state, group, self.plan, self.exchange, mesh, shard_dim, shared))
-
-
-class _Phases:
-    """The phases of :func:`deepmd_hybridmuon.step.run` on this rank's shards (see the module docstring).
-
-    ``states``: the optimizer's per-parameter state; ``shared``: the finite flag already agreed
-    across ranks (``nonfinite_across_ranks``), combined with this group's gate.
-    """
+class ShardedStep(BatchedStep):
+    """The engine's phases on this rank's shards, with the collectives of the module docstring between them."""
 
     def __init__(
-        self, states: dict, group: dict[str, Any], plan: Plan, ex: _Exchange, mesh: Any, shard_dim: int, shared: Any
+        self, layout: Layout, inputs: StepInputs, shared_gate: bool, exchange: _Exchange, mesh: Any, shard_dim: int
     ) -> None:
-        self.states, self.plan, self.ex, self.mesh, self.shared = states, plan, ex, mesh, shared
-        self.device = torch.device(mesh.device_type)
+        super().__init__(layout, inputs, shared_gate)
+        self.exchange, self.mesh = exchange, mesh
         self.pg = mesh.get_group(shard_dim)
-        self.inputs = local.shard_inputs(states, group, plan)
-        #: Whether the group has Muon matrices with gradients (phases 3-5 have work); fixed here, as
-        #: before_orthogonalize releases the gradient copy it is read from.
-        self.has_muon = self.inputs.muon_grad is not None
-        self.ungated = False  # the shard code always takes the gate (step.run)
-        self.muon: local.LocalMuon | None = None
+        self.settings: F.GroupSettings | None = None
         self.sums: torch.Tensor | None = None
-        self.delta: torch.Tensor | None = None
+
+    def scalars(self, group: dict[str, Any]) -> list[float]:
+        """The engine's scalars; keeps the group's settings for the owners."""
+        self.settings = F.GroupSettings.of(group)  # the owners' scales and Newton-Schulz variant
+        return super().scalars(group)
 
     def gate(self) -> torch.Tensor:
-        """The gate of this rank, made the same on every rank: one all-reduce (min) per mesh dimension."""
+        """The gate of this rank, made the same on every rank: one all-reduce (min) per mesh dimension.
+
+        With ``nonfinite_across_ranks`` the gate comes agreed over all ranks already.
+        """
         import torch.distributed as dist
 
-        ok = local.local_gate(self.inputs, self.device)
-        if self.shared is not None:
-            ok = torch.minimum(ok, self.shared.to(self.device))
-        for d in range(self.mesh.ndim):
-            _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=self.mesh.get_group(d))
+        ok = super().gate()
+        if not self.shared_gate:
+            for d in range(self.mesh.ndim):
+                _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=self.mesh.get_group(d))
         return ok
 
-    def adam(self, ok: torch.Tensor) -> None:
-        local.local_adam(self.states, self.inputs, ok)
-        for b in self.inputs.buckets:
-            b.grad = None  # the flat copies of the gradients: not needed any more
-
-    def before_orthogonalize(self, ok: torch.Tensor) -> None:
-        segments = self.ex.segments if self.inputs.settings.magma else None
-        self.muon, self.sums = local.local_momentum(self.states, self.inputs, self.plan, ok, segments)
-        self.inputs.muon_grad = None  # copied into the sanitised gradient
+    def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
+        """The engine's momentum and Nesterov update, and Magma's sums over this rank's pieces of each matrix."""
+        super().before_orthogonalize(ok)
+        grads = self.pending[0]
+        L = self.layout
+        self.sums = local.magma_partial_sums(L.momentum, grads, self.exchange.segments) if L.magma else None
 
     def complete_sums(self) -> None:
         """Magma: the whole-matrix sums from the shards' partial sums, one all-reduce (sum)."""
@@ -327,19 +300,16 @@ class _Phases:
                 "all_reduce", (self.sums.numel(),), dist.all_reduce, self.sums, op=dist.ReduceOp.SUM, group=self.pg
             )
 
-    def orthogonalize(self, ok: torch.Tensor) -> None:
+    def orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Newton–Schulz on the owners: the shards of the update travel there, the scaled updates back."""
-        assert self.muon is not None  # before_orthogonalize ran
-        settings, ex = self.inputs.settings, self.ex
-        damp = None if self.sums is None else local.magma_damp(self.states, self.inputs.muon, self.sums, ok)
-        work = self.muon.update.dtype
-        wire = local.wire_dtype(work)
-        owned = to_owners(ex, self.muon.update.to(wire), self.pg).to(work)
-        self.muon.update = None
+        L, ex = self.layout, self.exchange
+        assert self.settings is not None  # scalars() ran
+        update = self.pending[1]
+        self.pending = None
+        neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(L.dtype)
+        damp = None if self.sums is None else local.magma_damp(L.scores, self.sums, ok)
+        wire = local.wire_dtype(update.dtype)
+        owned = to_owners(ex, update.to(wire), self.pg).to(update.dtype)
         delta = torch.empty_like(owned, dtype=wire)
-        local.orthogonalize_owned(settings, owned, ex.groups, damp, ok * -settings.lr, delta, ex.kernels)
-        self.delta = from_owners(ex, delta, self.pg)
-
-    def apply(self, ok: torch.Tensor) -> None:
-        if self.muon is not None and self.delta is not None:
-            local.apply_delta(self.muon.flat_p, self.muon.locals, self.delta)
+        local.orthogonalize_owned(self.settings, owned, ex.groups, damp, neg_lr, delta, ex.kernels)
+        L.muon_delta.copy_(from_owners(ex, delta, self.pg))

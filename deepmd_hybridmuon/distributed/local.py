@@ -1,8 +1,9 @@
-"""The FSDP2 step's work on local tensors: a rank's shards (:func:`local_shard`).
+"""The FSDP2 step's work on a rank's shards beyond the engine's: Magma's partial sums, the owners' Newton–Schulz.
 
-:func:`local_shard` of a plain tensor is the tensor itself. The elementwise work (Adam routes,
-Muon momentum, decay, Magma's per-matrix sums) is batched over a param_group's tensors in
-one flat concatenation; the owners' Newton–Schulz runs stacked by shape.
+The elementwise work (Adam routes, Muon momentum, decay) is the flat engine's, on a layout of
+the local shards (:class:`.fsdp.ShardedEngine`); Magma's per-matrix sums are taken over each
+rank's pieces of the matrices and completed across ranks; the owners' Newton–Schulz runs the
+engine's Triton launches where they apply, else stacked by shape.
 """
 
 from __future__ import annotations
@@ -10,33 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import functional as F
-from .. import loop
-from ..dtensor import local_shard
 from ..engine import compilation
 from ..engine.layout import assign, build_fused, run_fused
-from ..state import advance_adam_state, local_state, muon_state
-from .plan import Plan, _ShapeGroup
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors flattened and concatenated (no copy for a single contiguous tensor).
-
-    torch's C++ flatten (as DDP's buckets use it): the per-tensor views cost no Python each step.
-    """
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1)
-    return _flatten_dense_tensors(tensors)
-
-
-def _write_back(targets: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy ``flat`` into ``targets`` (the inverse of :func:`_flat`), one batched copy."""
-    if len(targets) == 1 and targets[0].is_contiguous() and flat.data_ptr() == targets[0].data_ptr():
-        return  # _flat returned a view: already written
-    torch._foreach_copy_(targets, _unflatten_dense_tensors(flat, targets))
-
+from .plan import _ShapeGroup
 
 #: Elements per block of the first pass of :meth:`Segments.sums`. torch's CUDA
 #: ``segment_reduce`` gives each output one thread that walks its whole segment, so one
@@ -74,141 +53,6 @@ class Segments:
         return out
 
 
-class _AdamBucket:
-    """Adam-routed parameters that share one flat chain: their dtype, bias corrections and decay."""
-
-    def __init__(self, params: list[torch.Tensor], beta1_pow: float, beta2_pow: float, decay: Any) -> None:
-        self.params, self.beta1_pow, self.beta2_pow, self.decay = params, beta1_pow, beta2_pow, decay
-        self.grad: torch.Tensor | None = None  # the local gradients, flat (set by shard_inputs)
-
-
-class ShardInputs:
-    """What the elementwise work of one step reads on this rank: settings, Adam buckets, Muon parameters, gradients.
-
-    Built by :func:`shard_inputs`; ``muon_grad`` is the Muon parameters' local gradients, flat
-    (``None`` without Muon matrices).
-    """
-
-    def __init__(
-        self,
-        settings: F.GroupSettings,
-        buckets: list[_AdamBucket],
-        muon: list[torch.Tensor],
-        grads: dict[int, torch.Tensor],
-        muon_grad: torch.Tensor | None,
-    ) -> None:
-        self.settings, self.buckets, self.muon, self.grads, self.muon_grad = settings, buckets, muon, grads, muon_grad
-
-
-def shard_inputs(states: dict, group: dict[str, Any], plan: Plan) -> ShardInputs:
-    """The step's inputs on this rank's local tensors (``plan.params`` are the group's active parameters).
-
-    Advances the Adam step of the Adam-routed parameters and buckets them (dtype, bias
-    corrections, decay); flattens each bucket's and the Muon parameters' local gradients, from
-    which :func:`local_gate` reads the finite gate (not from every gradient: three launches each).
-    """
-    settings = F.GroupSettings.of(group)
-    grads = {id(p): loop.grad_of(p) for p in (group["params"][layout.index] for layout in plan.params)}
-    by_key: dict[tuple, _AdamBucket] = {}
-    for layout in plan.params:
-        if layout.route == "muon":
-            continue
-        p = group["params"][layout.index]
-        state = advance_adam_state(states, p, settings)
-        decay = settings.adam_decay(layout.route)
-        key = (p.dtype, p.device, grads[id(p)].dtype, state["beta1_pow"], state["beta2_pow"], decay)
-        if key not in by_key:
-            by_key[key] = _AdamBucket([], state["beta1_pow"], state["beta2_pow"], decay)
-        by_key[key].params.append(p)
-    buckets = list(by_key.values())
-    for b in buckets:
-        b.grad = _flat([local_shard(grads[id(p)]) for p in b.params])
-    muon = [group["params"][layout.index] for layout in plan.muon]
-    muon_grad = _flat([local_shard(grads[id(p)]) for p in muon]) if muon else None
-    return ShardInputs(settings, buckets, muon, grads, muon_grad)
-
-
-def local_gate(inputs: ShardInputs, device: torch.device) -> torch.Tensor:
-    """The finite gate of this rank, from the flat gradients of :func:`shard_inputs` (Adam's also below its limit)."""
-    adam = [b.grad for b in inputs.buckets if b.grad is not None]
-    flats = [inputs.muon_grad] if inputs.muon_grad is not None else []
-    if not (flats or adam):
-        return torch.ones((), dtype=torch.float32, device=device)
-    return F.finite_gate(flats, adam).to(device)
-
-
-def local_adam(states: dict, inputs: ShardInputs, ok: torch.Tensor) -> None:
-    """The Adam and AdamW routes in their buckets (:func:`shard_inputs`): one flat chain per bucket.
-
-    Elementwise kernels give the same bits on a concatenation, so this matches the loop bitwise.
-    """
-    settings = inputs.settings
-    for b in inputs.buckets:
-        assert b.grad is not None  # shard_inputs flattened it
-        locals_ = [local_shard(p) for p in b.params]
-        moments = (
-            [local_state(states, p, "exp_avg") for p in b.params],
-            [local_state(states, p, "exp_avg_sq") for p in b.params],
-        )
-        flat_p, flat_m, flat_v = _flat(locals_), _flat(moments[0]), _flat(moments[1])
-        F.adam_update_(
-            flat_p,
-            b.grad,
-            flat_m,
-            flat_v,
-            beta1=settings.beta1,
-            beta2=settings.beta2,
-            beta1_pow=b.beta1_pow,
-            beta2_pow=b.beta2_pow,
-            lr=settings.adam_lr,
-            decay_factor=b.decay,
-            ok=ok,
-        )
-        _write_back(locals_, flat_p)
-        _write_back(moments[0], flat_m)
-        _write_back(moments[1], flat_v)
-
-
-class LocalMuon:
-    """The Muon parameters' local tensors after :func:`local_momentum`: flat parameters (decayed), the update."""
-
-    def __init__(self, locals_: list[torch.Tensor], flat_p: torch.Tensor, update: torch.Tensor | None) -> None:
-        self.locals, self.flat_p, self.update = locals_, flat_p, update
-
-
-def local_momentum(
-    states: dict, inputs: ShardInputs, plan: Plan, ok: torch.Tensor, segments: Segments | None
-) -> tuple[LocalMuon, torch.Tensor | None]:
-    """Decay, momentum and Nesterov update of the Muon parameters (plan order), on local tensors.
-
-    The update is in the momentum's dtype. Creates the Muon state (with Magma, each parameter's
-    replicated ``magma_score`` too: :func:`deepmd_hybridmuon.state.muon_state`). With Magma
-    (``segments``), also returns this rank's part of Magma's sums (:func:`magma_partial_sums`).
-    """
-    settings, muon, grads = inputs.settings, inputs.muon, inputs.grads
-    assert inputs.muon_grad is not None  # the group has Muon parameters
-    grad_dtypes, param_dtypes = {grads[id(p)].dtype for p in muon}, {p.dtype for p in muon}
-    if len(grad_dtypes) > 1 or len(param_dtypes) > 1:
-        dtypes = grad_dtypes | param_dtypes
-        raise NotImplementedError(
-            f"Muon parameters of one param_group in several dtypes {sorted(map(str, dtypes))} under FSDP2; "
-            "HybridMuon needs one parameter dtype and one gradient dtype per group there"
-        )
-    for layout, p in zip(plan.muon, muon, strict=True):
-        muon_state(states, p, grads[id(p)], layout.view[0] if settings.magma else None)  # type: ignore[index]
-    bufs = [local_state(states, p, "momentum_buffer") for p in muon]
-    locals_ = [local_shard(p) for p in muon]
-    flat_p = _flat(locals_)
-    flat_buf = _flat(bufs)
-    g = F.sanitize(inputs.muon_grad.to(bufs[0].dtype), ok)
-    if settings.weight_decay > 0:
-        flat_p.mul_(F.gate_factor(settings.muon_decay, ok, flat_p.dtype))
-    update = F.nesterov_momentum_(flat_buf, g, settings.momentum, ok)
-    _write_back(bufs, flat_buf)
-    sums = None if segments is None else magma_partial_sums(flat_buf, g, segments)
-    return LocalMuon(locals_, flat_p, update), sums
-
-
 def magma_partial_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Magma's sums per matrix over this rank's pieces: ``(matrices, 3)`` float64, ``m·g``, ``m·m``, ``g·g``.
 
@@ -222,14 +66,10 @@ def magma_partial_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Seg
     return segments.sums(torch.stack([m64 * g64, m64 * m64, g64 * g64], dim=1))  # (local elements, 3) summed
 
 
-def magma_damp(states: dict, muon: list[torch.Tensor], sums: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """Magma's multiplier per matrix from the whole-matrix ``sums``; advances every ``magma_score`` (gated)."""
-    scores = [states[p]["magma_score"] for p in muon]
-    flat_score = _flat(scores)
+def magma_damp(scores: torch.Tensor, sums: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
+    """Magma's multiplier per matrix from the whole-matrix ``sums``; advances the flat ``scores`` (gated)."""
     raw = F.magma_score(sums[:, 0], sums[:, 1].sqrt(), sums[:, 2].sqrt()).to(torch.float32)
-    damp = F.magma_scale_(flat_score, raw, ok)
-    _write_back(scores, flat_score)
-    return damp
+    return F.magma_scale_(scores, raw, ok)
 
 
 class OwnedKernels:
@@ -360,12 +200,6 @@ def orthogonalize_owned(
         scale = torch.full((sg.count,), settings.scale(sg.rows, sg.cols), dtype=torch.float32, device=out.device)
         factor = F.muon_factor(scale, None if damp is None else damp[sg.matrix_ids], neg_lr)
         F.post_orthogonalize(orth, factor, out[sg.start : sg.start + n].view(shape))
-
-
-def apply_delta(flat_p: torch.Tensor, locals_: list[torch.Tensor], delta: torch.Tensor) -> None:
-    """``p += delta`` (the updates, already gated), then the parameters written back."""
-    flat_p.add_(delta)
-    _write_back(locals_, flat_p)
 
 
 def wire_dtype(work: torch.dtype) -> torch.dtype:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from ..dtensor import is_dtensor
+from ..dtensor import is_dtensor, local_shard
 from . import compilation
 from .batched import BatchedStep, StepInputs
 from .execution import Executor
@@ -16,6 +16,9 @@ from .layout import Layout, assign
 
 class GroupEngine:
     """The flat engine of one param_group, built by the optimizer.
+
+    Subclasses change what the layout holds and how the step runs through :attr:`PATHS`,
+    :attr:`CUDA_GRAPH` and :meth:`_batched` (``distributed.ShardedEngine``: FSDP2's shards).
 
     Parameters
     ----------
@@ -37,6 +40,11 @@ class GroupEngine:
         On CUDA, capture the arithmetic in a CUDA graph and replay it (:mod:`.execution`).
     """
 
+    #: Whether the layout assigns the Muon matrices to Triton launches and torch stacks (:class:`.layout.Layout`).
+    PATHS = True
+    #: Whether the step may be captured in a CUDA graph (with ``cuda_graph``).
+    CUDA_GRAPH = True
+
     def __init__(
         self,
         group: dict[str, Any],
@@ -53,12 +61,17 @@ class GroupEngine:
         active = [(p, r) for p, r in zip(self.group_params, routes, strict=True) if p.numel() > 0]
         self.gradless = [p for p, _ in active if p.grad is None]
         active = [(p, r) for p, r in active if p.grad is not None]
+        self.active = active  # (parameter, route) of those it steps, in group order
         params, active_routes = [p for p, _ in active], [r for _, r in active]
-        kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon)
-        self.layout = Layout(params, active_routes, state, group, kernels)
+        kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon and self.PATHS)
+        self.layout = Layout(params, active_routes, state, group, kernels, self.PATHS)
         self.shared_gate = shared_gate
-        self.batched = BatchedStep(self.layout, StepInputs(self.layout), shared_gate)
-        self.executor = Executor(self.batched, cuda_graph)
+        self.batched = self._batched(StepInputs(self.layout), shared_gate, flash_muon)
+        self.executor = Executor(self.batched, cuda_graph and self.CUDA_GRAPH)
+
+    def _batched(self, inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
+        """The step on :attr:`layout`'s buffers."""
+        return BatchedStep(self.layout, inputs, shared_gate)
 
     @staticmethod
     def _kernels(
@@ -88,7 +101,7 @@ class GroupEngine:
             return False
         first = params[0]
         if any(is_dtensor(p) for p in params):
-            return False  # FSDP2 shards: distributed.FsdpGroup steps them
+            return False  # FSDP2 shards: distributed.ShardedEngine steps them
         return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
 
     def matches(self, group: dict[str, Any]) -> bool:
@@ -104,9 +117,10 @@ class GroupEngine:
         ):
             return False
         L = self.layout
+        local = [local_shard(p) for p in L.keys]  # the tensors the step writes, as they are now
         return all(
-            p.grad is not None and p.data_ptr() == ptr and p.shape == shape
-            for p, ptr, shape in zip(L.staged, L.storage, L.shapes, strict=True)
+            p.grad is not None and t.data_ptr() == ptr and t.shape == shape
+            for p, t, ptr, shape in zip(L.keys, local, L.storage, L.shapes, strict=True)
         ) and all(p.grad is None for p in self.gradless)
 
     @property
@@ -122,7 +136,7 @@ class GroupEngine:
         """
         if self.shared_gate and shared is None:
             raise RuntimeError("the flat engine was built with a shared finite gate; step() got none")
-        grads = [p.grad for p in self.layout.staged]
+        grads = [local_shard(p.grad) for p in self.layout.keys]
         self.executor.stage(self.batched.scalars(group), grads, shared if self.shared_gate else None)
         self.executor.run()
         return self.batched.ok

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
+from ..dtensor import local_shard
 from ..state import adopt
 
 #: One Muon parameter as the layout sees it: (parameter, (batch, rows, cols) of its matrix view).
@@ -129,7 +130,8 @@ class Layout:
     ----------
     params
         The group's parameters that take part in the step (non-empty, with a gradient), in
-        group order; one dtype and device.
+        group order; one dtype and device. FSDP2's DTensors are laid out by their local shards
+        (``paths`` off: their matrices are orthogonalised whole elsewhere).
     routes
         Their routes (:func:`deepmd_hybridmuon.functional.route_parameter`).
     state
@@ -141,6 +143,9 @@ class Layout:
         ``weight_decay`` > 0; the learning rate, momentum and betas come in with each step).
     kernels
         The Triton kernels module, or ``None`` for the torch path only.
+    paths
+        Assign every Muon matrix to a Triton launch or a torch stack; off for shards, whose
+        matrices this layout does not hold whole.
     """
 
     def __init__(
@@ -150,16 +155,22 @@ class Layout:
         state: dict,
         group: dict[str, Any],
         kernels: ModuleType | None,
+        paths: bool = True,
     ) -> None:
-        self.device, self.dtype = params[0].device, params[0].dtype
-        self.adam = [p for p, r in zip(params, routes, strict=True) if r.route != "muon"]
-        self.adamw = [p for p, r in zip(params, routes, strict=True) if r.route == "adamw"]
-        self.muon: list[MuonEntry] = [(p, r.view) for p, r in zip(params, routes, strict=True) if r.route == "muon"]
+        local = {id(p): local_shard(p) for p in params}  # the tensors the step writes (a DTensor's shard)
+        self.device, self.dtype = local[id(params[0])].device, params[0].dtype
+        adam_keys = [p for p, r in zip(params, routes, strict=True) if r.route != "muon"]
+        muon_keys = [(p, r.view) for p, r in zip(params, routes, strict=True) if r.route == "muon"]
+        #: The parameters as the optimizer's state knows them, in the order of the flat buffers.
+        self.keys = adam_keys + [p for p, _ in muon_keys]
+        self.adam = [local[id(p)] for p in adam_keys]
+        self.adamw = [local[id(p)] for p, r in zip(params, routes, strict=True) if r.route == "adamw"]
+        self.muon: list[MuonEntry] = [(local[id(p)], view) for p, view in muon_keys]
         self.weight_decay = float(group["weight_decay"]) > 0
         self.magma = bool(group["magma_muon"])
         # One flat gradient buffer and one flat update buffer, Adam parameters first: one
         # copy in, one finite check and one update pass per step.
-        self.staged = self.adam + [p for p, _ in self.muon]
+        self.staged = [local[id(p)] for p in self.keys]
         # where the parameters live: a captured graph writes through these addresses
         self.storage = [p.data_ptr() for p in self.staged]
         self.shapes = [p.shape for p in self.staged]  # a new shape in the same storage rebuilds too
@@ -168,8 +179,8 @@ class Layout:
         self.delta = torch.zeros_like(self.grad)
         self.grad_views = split_views(self.grad, self.staged)
         self.delta_views = split_views(self.delta, self.staged)
-        self._build_adam(state)
-        self._build_muon(state, group, kernels)
+        self._build_adam(state, adam_keys)
+        self._build_muon(state, group, kernels if paths else None, [p for p, _ in muon_keys], paths)
 
     @property
     def lanes(self) -> int:
@@ -186,31 +197,33 @@ class Layout:
 
     # ------------------------------------------------------------------ state
 
-    def _build_adam(self, state: dict) -> None:
+    def _build_adam(self, state: dict, keys: list[torch.Tensor]) -> None:
         n = sum(p.numel() for p in self.adam)
         kw = {"device": self.device, "dtype": torch.float32}
         self.exp_avg = torch.zeros(n, **kw)
         self.exp_avg_sq = torch.zeros(n, **kw)
         self.adam_delta = self.delta[:n]
         self.adam_grad = self.grad[:n]
-        fresh = [p for p in self.adam if "exp_avg" not in state[p]]
-        adopt(state, self.adam, "exp_avg", split_views(self.exp_avg, self.adam))
-        adopt(state, self.adam, "exp_avg_sq", split_views(self.exp_avg_sq, self.adam))
+        fresh = [p for p in keys if "exp_avg" not in state[p]]
+        adopt(state, keys, "exp_avg", split_views(self.exp_avg, self.adam))
+        adopt(state, keys, "exp_avg_sq", split_views(self.exp_avg_sq, self.adam))
         for p in fresh:
             state[p]["beta1_pow"] = 1.0
             state[p]["beta2_pow"] = 1.0
-        self.adam_states = [state[p] for p in self.adam]  # a loaded state dict rebuilds the engine
+        self.adam_states = [state[p] for p in keys]  # a loaded state dict rebuilds the engine
         # the index of its parameter in self.adam, per element: spreads per-parameter scalars over the elements
         numels = torch.tensor([p.numel() for p in self.adam], dtype=torch.int64)
         self.adam_owner = torch.repeat_interleave(torch.arange(len(self.adam)), numels).to(self.device)
 
-    def _build_muon(self, state: dict, group: dict[str, Any], K: ModuleType | None) -> None:
+    def _build_muon(
+        self, state: dict, group: dict[str, Any], K: ModuleType | None, keys: list[torch.Tensor], paths: bool
+    ) -> None:
         params = [p for p, _ in self.muon]
         views = [view for _, view in self.muon]
         n = sum(p.numel() for p in params)
         kw = {"device": self.device}
         self.momentum = torch.zeros(n, dtype=self.dtype, **kw)
-        adopt(state, params, "momentum_buffer", split_views(self.momentum, params))
+        adopt(state, keys, "momentum_buffer", split_views(self.momentum, params))
         self.muon_delta = self.delta[self.delta.numel() - n :]
         self.muon_grad = self.grad[self.grad.numel() - n :]
 
@@ -226,10 +239,10 @@ class Layout:
         self.block_factor = torch.zeros_like(self.block_scale)  # scale x Magma x -lr, per step
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
-            adopt(state, params, "magma_score", self.scores.split([bs for bs, _, _ in views]), reshape=False)
+            adopt(state, keys, "magma_score", self.scores.split([bs for bs, _, _ in views]), reshape=False)
 
         # Each matrix goes to a Triton launch (with the kernels) or to a stack of the torch path.
-        fused, buckets = assign(views, K, bool(group["enable_gram"]), self.device)
+        fused, buckets = assign(views, K, bool(group["enable_gram"]), self.device) if paths else ([], [])
         for f in fused:
             build_fused(K, f, self.device)
         self.fused_paths = fused
