@@ -34,10 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_CONFIG_DIR, build_named_params, command_line, utc_now, write_json
 
-#: MEASURED: the host's mean time in step() per stage, ms, what the step costs the host whatever the traffic. Stages
-#: 1 and 2: 2 x H200, DPA-3 water, commit 1108e38 (multi_gpu_dpa3_h200x2_2026-11-27.json; stage 3 as stage 2);
+#: MEASURED: the host's mean time in step() per stage, ms, what the step costs the host whatever the traffic. Stage 1:
+#: 2 x H200, DPA-3 water, commit 1108e38 (multi_gpu_dpa3_h200x2_2026-11-27.json); stages 2 and 3: 2 x H200, DPA-3
+#: water, commit 6b86303 (multi_gpu_dpa3_stage2/stage3_h200x4_2026-11-27.json, every rank of three runs each);
 #: stage 0: the replayed CUDA graph, DPA-2 small on one H100 (multi_gpu_dpa2_small_h100x1_stage0_between_2026-11-25).
-HOST_MS = {0: 0.7, 1: 5.7, 2: 10.5, 3: 10.5}
+HOST_MS = {0: 0.7, 1: 5.7, 2: 7.4, 3: 6.8}
 #: MEASURED, 1 x H100 (step_time_h100_2026-11-27_families_without_r*.json): ours' whole step on one GPU, ms.
 ONE_GPU_STEP_MS = 1.0
 #: ASSUMED: (latency s per collective, bandwidth B/s per GPU) within one node of 8 (NVLink) and across nodes (IB).
