@@ -4,8 +4,7 @@ The phases of :func:`deepmd_hybridmuon.step.run`, each one parameter at a time, 
 of :mod:`.functional` (the algorithm is written out in
 :class:`~deepmd_hybridmuon.HybridMuonOptimizer`'s docstring). The flat engine (:mod:`.engine`) and the distributed steps
 (:mod:`.distributed`) compute the same step and are tested against this one. The state is
-created by :mod:`.state` (the same functions for every implementation); :func:`grad_of` is
-shared with :mod:`.distributed`.
+created by :mod:`.state` (the same functions for every implementation).
 
 ``state`` is the optimizer's ``state`` (parameter -> dict, created on first use), in
 deepmd-kit 3.2.0's layout: ``exp_avg``, ``exp_avg_sq`` (float32), ``beta1_pow``,
@@ -22,7 +21,6 @@ import torch
 
 from . import functional as F
 from . import step
-from .dtensor import is_dtensor
 from .state import advance_adam_state, muon_state
 
 
@@ -74,9 +72,9 @@ class _Phases:
             route = route_of(p, group)
             if route.route == "muon":
                 assert route.view is not None  # route_parameter gives a view for every Muon route
-                self.matrices.append(_Matrix(p, grad_of(p), route.view))
+                self.matrices.append(_Matrix(p, p.grad, route.view))
             else:
-                self.adam_params.append((p, grad_of(p), route.route))
+                self.adam_params.append((p, p.grad, route.route))
         self.gates: dict[torch.device, torch.Tensor] = {}
         self.ungated = True  # step.run: a taken step on the CPU runs without the gating arithmetic
 
@@ -153,13 +151,3 @@ class _Phases:
 
     def apply(self, ok: torch.Tensor | None) -> None:
         """Nothing left: the Adam routes wrote their parameters in :meth:`adam`, Muon's in :meth:`orthogonalize`."""
-
-
-def grad_of(p: torch.Tensor) -> torch.Tensor:
-    """``p.grad``; a DTensor gradient laid out like its DTensor parameter (FSDP2's already is)."""
-    grad = p.grad
-    assert grad is not None
-    if is_dtensor(p) and is_dtensor(grad):
-        if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
-            grad = grad.redistribute(p.device_mesh, p.placements)
-    return grad

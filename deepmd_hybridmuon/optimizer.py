@@ -288,7 +288,7 @@ class HybridMuonOptimizer(Optimizer):
         self._names_version = 0  # bumped when names change: the flat engines rebuild
         self._state_version = 0  # bumped when a state dict is loaded
         self._adam_limit_logged = False  # _log_adam_limit's one line was written
-        # One runner per param_group (its engine, or its FSDP2 plan), each rebuilt by its own rule.
+        # One flat engine per param_group (on FSDP2's shards: distributed.ShardedEngine), rebuilt by _engine's rule.
         self._runners: dict[int, GroupEngine] = {}
         self._checked: dict[int, tuple] = {}  # each group's values as step() last validated them
         self._steps_taken = 0  # by this object (the log says from which step the Triton kernels run)
@@ -587,7 +587,8 @@ class HybridMuonOptimizer(Optimizer):
         """The flat engine of a group, (re)built when needed; ``None`` for the loop.
 
         The loop runs when :data:`IMPLEMENTATIONS` ``"loop"`` is chosen and for a group the
-        engine does not support (mixed dtypes or devices, DTensors). Parameters without a
+        engine does not support (mixed dtypes or devices). A group of FSDP2's DTensors always takes
+        ``distributed.ShardedEngine`` (the loop cannot step shards). Parameters without a
         gradient are left out of the engine, which is rebuilt when that set changes (models
         with unused parameters have the same set every step).
         """

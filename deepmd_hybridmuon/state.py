@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import functional as F
-from .dtensor import is_dtensor, local_shard
+from .dtensor import is_dtensor, laid_out_like, local_shard
 from .options import OPTIMIZER_KEYS, OPTION
 from .validation import GROUP_KEYS, MISNAMED_KEYS, validate_group
 
@@ -236,7 +236,8 @@ def local_state(state: dict, p: torch.Tensor, key: str) -> torch.Tensor:
     """The local shard of the parameter-shaped state ``key`` of ``p`` (the tensor itself if not sharded).
 
     A full tensor under a DTensor parameter (a single-process checkpoint loaded with
-    ``load_state_dict`` under FSDP2) is sharded like the parameter first.
+    ``load_state_dict`` under FSDP2) is sharded like the parameter first, and a DTensor laid out
+    otherwise is redistributed like it.
     """
     entry = state[p]
     value = entry[key]
@@ -244,6 +245,8 @@ def local_state(state: dict, p: torch.Tensor, key: str) -> torch.Tensor:
         from torch.distributed.tensor import distribute_tensor
 
         value = entry[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+    elif laid_out_like(value, p) is not value:
+        value = entry[key] = laid_out_like(value, p)
     return local_shard(value)
 
 
@@ -266,7 +269,7 @@ def advance_adam_state(state: dict, p: torch.Tensor, settings: F.GroupSettings) 
     entry = state[p]
     follow_shape(entry, ("exp_avg", "exp_avg_sq"), p)
     if "exp_avg" not in entry:
-        entry["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)  # a DTensor for a DTensor p
+        entry["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
         entry["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         entry["beta1_pow"] = 1.0
         entry["beta2_pow"] = 1.0
@@ -277,10 +280,9 @@ def advance_adam_state(state: dict, p: torch.Tensor, settings: F.GroupSettings) 
 def muon_state(state: dict, p: torch.Tensor, grad: torch.Tensor, batch: int | None) -> dict[str, Any]:
     """The Muon state of ``p``, created at its first step: ``momentum_buffer``, and with Magma ``magma_score``.
 
-    The momentum is laid out like ``grad`` (a DTensor for FSDP2's sharded gradients). ``batch``:
-    the number of matrices of ``p``'s view with Magma, else ``None``; the score is a plain float32
-    ``(batch,)`` tensor on ``p``'s (local) device, the same on every rank, and starts afresh at
-    :data:`~.functional.MAGMA_INITIAL_SCORE` when the view changed.
+    The momentum is laid out like ``grad``. ``batch``: the number of matrices of ``p``'s view with
+    Magma, else ``None``; the score is a float32 ``(batch,)`` tensor on ``p``'s device, and starts
+    afresh at :data:`~.functional.MAGMA_INITIAL_SCORE` when the view changed.
     """
     entry = state[p]
     follow_shape(entry, ("momentum_buffer",), p)
@@ -288,9 +290,7 @@ def muon_state(state: dict, p: torch.Tensor, grad: torch.Tensor, batch: int | No
         entry["momentum_buffer"] = torch.zeros_like(grad)
     if batch is not None:
         score = entry.get("magma_score")
-        if is_dtensor(score):  # a replicated score loaded as a DTensor
-            score = entry["magma_score"] = score.full_tensor()
-        device = local_shard(p).device
+        device = p.device
         if score is None or tuple(score.shape) != (batch,) or score.device != device:
             entry["magma_score"] = torch.full((batch,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=device)
     return entry

@@ -84,8 +84,8 @@ SPAWN_TIMEOUT = 240
 # without Magma); with Magma, the cosines come from per-shard sums added across ranks, another
 # order of float32 summation: Muon tensors within OWNER_RTOL_MUON, Adam tensors exact.
 #
-#: The flat engine (one process, the default implementation) against the loop (what FSDP2 runs,
-#: and each ZeRO-1 rank's engine on its partition): zero padding and bucketing (on a GPU) and the float16
+#: The flat engine (one process, the default implementation) against the loop (and each ZeRO-1 rank's
+#: engine on its partition): zero padding and bucketing (on a GPU) and the float16
 #: Gram form change roundings (test_parity_builtin.ENGINE_VS_LOOP_RTOL, 2^-7 = 7.8e-3).
 #: Measured here after 5 steps, worst parameter, when the CPU still ran the float16 Gram form: FSDP2 vs
 #: one-process engine 4.3e-3 (``extra.slab``, Gram path; Adam routes 0.0); ZeRO-1 engines vs one-process
@@ -453,6 +453,31 @@ def _scenario_fsdp2(rank: int, outdir: str) -> None:
             step(named4, opt4, k)
     results["phases"] = runs
     results["other_end"] = _full(named4)
+
+    # Gradients, and a loaded state dict's tensors, laid out otherwise than their parameters (Replicate() on
+    # the Shard(0) mesh): redistributed like them (test_fsdp2_gradients_and_state_laid_out_otherwise).
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    _net6, named6, opt6 = sharded_net()
+    _net7, named7, opt7 = sharded_net()
+    for k in range(STEPS_BEFORE):
+        step(named6, opt6, k)
+        for (_, p), g in zip(named7, _full_grads(named7, k, nan=k == NAN_STEP), strict=True):
+            p.grad = distribute_tensor(g, p.device_mesh, [Replicate()], src_data_rank=None) if p.requires_grad else None
+        opt7.step()
+    results["replicated_grads_end"], results["sharded_grads_end"] = _full(named7), _full(named6)
+    saved = opt6.state_dict()
+    for st in saved["state"].values():
+        for key, v in list(st.items()):
+            if isinstance(v, DTensor):
+                st[key] = v.redistribute(v.device_mesh, [Replicate()])
+    _net8, named8, opt8 = sharded_net()
+    _load_full(named8, _full(named6))
+    opt8.load_state_dict(saved)
+    for k in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        step(named6, opt6, k)
+        step(named8, opt8, k)
+    results["replicated_state_end"], results["sharded_state_end"] = _full(named8), _full(named6)
 
     # Huge but finite Muon gradients, one step each from fresh state, and the same gradients
     # scaled down by a power of two (exact) to about 1; the Adam routes get the unscaled
@@ -944,6 +969,15 @@ def test_fsdp2_other_options_on_a_2d_mesh(run: _Run) -> None:
     ref = _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, implementation="loop", **OTHER_OPTIONS)
     _assert_exact(res["other_end"], ref["end"])
     _assert_exact(res["other_end"], run.result("fsdp2", 1)["other_end"])
+
+
+def test_fsdp2_gradients_and_state_laid_out_otherwise(run: _Run) -> None:
+    """Replicate() gradients of Shard(0) parameters, and a state dict whose state tensors are Replicate(), are laid
+    out like the parameters first: the same steps as with FSDP2's own layout, bitwise (the redistribution slices)."""
+    for rank in range(WORLD):
+        res = run.result("fsdp2", rank)
+        _assert_exact(res["replicated_grads_end"], res["sharded_grads_end"])
+        _assert_exact(res["replicated_state_end"], res["sharded_state_end"])
 
 
 def test_fsdp2_runs_the_phases_in_the_one_order(run: _Run) -> None:

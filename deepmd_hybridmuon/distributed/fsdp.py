@@ -50,7 +50,7 @@ from ..engine.batched import BatchedStep, StepInputs
 from ..engine.group import GroupEngine
 from ..engine.layout import Layout
 from . import local
-from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan
+from .plan import Plan, _cat_index, _collective, _matrix_base, _owned, build_plan, chunk_rows
 
 
 class _Exchange:
@@ -219,11 +219,26 @@ class ShardedEngine(GroupEngine):
 
     @staticmethod
     def supports(group: dict[str, Any]) -> bool:
-        """Whether a group of DTensors has anything to step; ``NotImplementedError`` for layouts it cannot."""
+        """Whether a group of DTensors has anything to step; ``NotImplementedError`` for layouts it cannot.
+
+        Checked before the layout adopts any state: one mesh and placement, one dtype, and each rank's shard
+        the rows ``torch.chunk`` gives it.
+        """
         params = [p for p in group["params"] if p.numel() > 0]
-        if params:
-            mesh_of(params)
-        dtypes = {p.dtype for p in params if p.grad is not None}
+        if not params:
+            return False
+        mesh, dim = mesh_of(params)
+        world, rank = mesh.size(dim), mesh.get_local_rank(dim)
+        active = [p for p in params if p.grad is not None]
+        for p in active:
+            lo, hi = chunk_rows(p.shape[0] if p.dim() else 1, world)[rank]
+            shard = p.to_local()
+            if p.dim() == 0 or tuple(shard.shape) != (hi - lo, *p.shape[1:]):
+                raise NotImplementedError(
+                    f"FSDP2 shard of the parameter of shape {tuple(p.shape)} has local shape {tuple(shard.shape)} "
+                    f"on shard rank {rank}; HybridMuon expects torch.chunk's rows {lo}..{hi} of dim 0"
+                )
+        dtypes = {p.dtype for p in active}
         if len(dtypes) > 1:
             raise NotImplementedError(
                 f"parameters of one param_group in several dtypes {sorted(map(str, dtypes))} under FSDP2; "
@@ -233,20 +248,11 @@ class ShardedEngine(GroupEngine):
 
     def _batched(self, inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
         index = {id(p): i for i, p in enumerate(self.group_params)}
-        active = [(index[id(p)], p, r) for p, r in self.active]  # with their positions in the group
-        mesh, dim = mesh_of([p for _, p, _ in active])
-        world, rank = mesh.size(dim), mesh.get_local_rank(dim)
-        self.plan = build_plan([(i, tuple(p.shape), r) for i, p, r in active], world)
-        for layout, (_, p, _) in zip(self.plan.params, active, strict=True):
-            lo, hi = layout.ranges[rank]
-            shard = p.to_local()
-            if p.dim() == 0 or tuple(shard.shape) != (hi - lo, *layout.shape[1:]):
-                raise NotImplementedError(
-                    f"FSDP2 shard of the parameter of shape {layout.shape} has local shape {tuple(shard.shape)} "
-                    f"on shard rank {rank}; HybridMuon expects torch.chunk's rows {lo}..{hi} of dim 0"
-                )
-        device = torch.device(mesh.device_type)
-        self.exchange = _Exchange(self.plan, rank, device, flash_muon)
+        mesh, dim = mesh_of([p for p, _ in self.active])
+        self.plan = build_plan([(index[id(p)], tuple(p.shape), r) for p, r in self.active], mesh.size(dim))
+        self.exchange = _Exchange(self.plan, mesh.get_local_rank(dim), torch.device(mesh.device_type), flash_muon)
+        # The exchange's local buffer is the layout's flat Muon buffers: the same parameters, in the same order.
+        assert self.exchange.lengths == [t.numel() for t, _ in self.layout.muon]
         return ShardedStep(self.layout, inputs, shared_gate, self.exchange, mesh, dim)
 
     def summary(self) -> dict[str, Any]:

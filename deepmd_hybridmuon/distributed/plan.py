@@ -3,9 +3,9 @@
 Every collective of the FSDP2 step (:mod:`.fsdp`) goes through
 :func:`_collective`, which :func:`trace_collectives` records (the tests compare the sequences
 of all ranks). Outside it: the optimizer's all-reduce of the finite gate
-(``nonfinite_across_ranks``, once per ``step()``), and DTensor's own redistributions of state
-that does not have the parameter's layout (a gradient laid out otherwise, a replicated Magma
-score from a checkpoint), which happen alike on every rank.
+(``nonfinite_across_ranks``, once per ``step()``), and DTensor's own redistributions of a
+gradient or a loaded state tensor laid out otherwise than its parameter (``dtensor.laid_out_like``),
+which happen alike on every rank.
 """
 
 from __future__ import annotations

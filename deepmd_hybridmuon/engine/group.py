@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from ..dtensor import is_dtensor, local_shard
+from ..dtensor import laid_out_like, local_shard
 from . import compilation
 from .batched import BatchedStep, StepInputs
 from .execution import Executor
@@ -100,8 +100,6 @@ class GroupEngine:
         if not params:
             return False
         first = params[0]
-        if any(is_dtensor(p) for p in params):
-            return False  # FSDP2 shards: distributed.ShardedEngine steps them
         return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
 
     def matches(self, group: dict[str, Any]) -> bool:
@@ -136,7 +134,8 @@ class GroupEngine:
         """
         if self.shared_gate and shared is None:
             raise RuntimeError("the flat engine was built with a shared finite gate; step() got none")
-        grads = [local_shard(p.grad) for p in self.layout.keys]
+        # the gradients first: a failure there leaves the Adam powers (advanced by scalars) as they were
+        grads = [local_shard(laid_out_like(p.grad, p)) for p in self.layout.keys]
         self.executor.stage(self.batched.scalars(group), grads, shared if self.shared_gate else None)
         self.executor.run()
         return self.batched.ok
