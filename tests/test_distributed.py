@@ -479,6 +479,16 @@ def _scenario_fsdp2(rank: int, outdir: str) -> None:
         step(named8, opt8, k)
     results["replicated_state_end"], results["sharded_state_end"] = _full(named8), _full(named6)
 
+    # nonfinite_across_ranks: the optimizer's gate, agreed over all ranks, instead of the group's all-reduce
+    # (test_fsdp2_with_the_gate_agreed_over_all_ranks).
+    from deepmd_hybridmuon import distributed as D
+
+    _net9, named9, opt9 = sharded_net(nonfinite_across_ranks=True)
+    with D.trace_collectives() as trace9:
+        for k in range(STEPS_BEFORE + STEPS_AFTER):
+            step(named9, opt9, k)
+    results["shared_gate_end"], results["shared_gate_trace"] = _full(named9), [kind for kind, _ in trace9]
+
     # Huge but finite Muon gradients, one step each from fresh state, and the same gradients
     # scaled down by a power of two (exact) to about 1; the Adam routes get the unscaled
     # gradient. See test_fsdp2_huge_finite_muon_gradients.
@@ -978,6 +988,15 @@ def test_fsdp2_gradients_and_state_laid_out_otherwise(run: _Run) -> None:
         res = run.result("fsdp2", rank)
         _assert_exact(res["replicated_grads_end"], res["sharded_grads_end"])
         _assert_exact(res["replicated_state_end"], res["sharded_state_end"])
+
+
+def test_fsdp2_with_the_gate_agreed_over_all_ranks(run: _Run) -> None:
+    """nonfinite_across_ranks (the optimizer's gate, all-reduced over every rank): the group adds no gate all-reduce
+    of its own (Magma's and the two exchanges remain), and the steps are the default's, bitwise, the NaN step too."""
+    for rank in range(WORLD):
+        res = run.result("fsdp2", rank)
+        assert res["shared_gate_trace"] == ["all_reduce", "all_to_all", "all_to_all"] * (STEPS_BEFORE + STEPS_AFTER)
+        _assert_exact(res["shared_gate_end"], res["end"])
 
 
 def test_fsdp2_runs_the_phases_in_the_one_order(run: _Run) -> None:
