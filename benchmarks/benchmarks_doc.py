@@ -215,15 +215,8 @@ def learning_rate() -> str:
 
 #: (results file, config, stage): the multi-GPU rows, newest code first per configuration.
 MULTI = [
-    ("multi_gpu_dpa3_h200x2_2026-11-24.json", "dpa3_water", 0),
-    ("multi_gpu_dpa3_h200x2_2026-11-24.json", "dpa3_water", 1),
     ("multi_gpu_dpa2_small_h200x2_2026-11-24.json", "dpa2_small_water", 0),
-    ("multi_gpu_dpa2_small_h200x2_2026-11-24.json", "dpa2_small_water", 2),
-    ("multi_gpu_dpa2_small_h200x2_2026-11-24.json", "dpa2_small_water", 3),
-    ("multi_gpu_dpa2_small_h200x2_2026-11-23.json", "dpa2_small_water", 1),
     ("multi_gpu_dpa4_h200x2_2026-11-23.json", "dpa4_water", 0),
-    ("multi_gpu_dpa2_small_h100x1_stage2_2026-11-25.json", "dpa2_small_water", 2),
-    ("multi_gpu_dpa4_noema_h100x1_stage2_2026-11-24.json", "dpa4_water", 2),
 ]
 STAGE = {0: "0 (DDP)", 1: "1 (ZeRO-1)", 2: "2 (FSDP2)", 3: "3 (FSDP2)"}
 
