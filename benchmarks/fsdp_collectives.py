@@ -12,7 +12,7 @@ With ``--cuda`` the same runs on GPUs (one per rank, NCCL): the step's host time
 to a synchronised end, and how many times it makes the host wait for the GPU (torch's sync
 debug mode: each wait is a warning) are printed too. The warm-up waits (up to 300 s) until
 the owners' Triton kernels are compiled, so the timed steps run them; the ranks then time
-torch's AdamW (foreach) on the same sharded model, the reference of issue 12's targets.
+torch's AdamW (foreach) on the same sharded model, the reference the sharded step is compared with.
 ``FSDP_PROFILE=1`` prints rank 0's cProfile of the timed steps (the host's Python time).
 
 Usage::

@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 25, "Nothing poisons a model"): one row per case, on every implementation that runs here.
+"""Hostile inputs ("nothing poisons a model"): one row per case, on every implementation that runs here.
 
 Each row failed on the code before the fix: a huge but finite gradient turned parameters or
 state into NaN (or froze Adam with an infinite second moment), a foreign or corrupted state
