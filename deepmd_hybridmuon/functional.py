@@ -403,9 +403,10 @@ def on_triton(rows: int) -> bool:
     return rows <= TRITON_MAX_ROWS
 
 
-#: Device types where the matrices of the Gram path run its schedule in the standard form, in bfloat16
+#: Device types where, with ``enable_gram``, every matrix runs the Gram schedule in the standard form, in bfloat16
 #: (:func:`gram_form`): on the CPUs measured (Xeon with AMX) float16 products run at float32's speed and bfloat16 ones
-#: several times faster. The tests that compare the GPU's kernels under Triton's interpreter empty it.
+#: several times faster, and products are the step's cost, so square matrices take its five iterations too.
+#: The tests that compare the GPU's kernels under Triton's interpreter empty it.
 BFLOAT16_ONLY_DEVICES: frozenset[str] = frozenset({"cpu"})
 
 
@@ -413,7 +414,8 @@ def gram_form(device: torch.device) -> bool:
     """Whether rectangular matrices with ``enable_gram`` take :func:`gram_newton_schulz` on ``device`` (float16).
 
     Not on :data:`BFLOAT16_ONLY_DEVICES` (the CPU): there they run the Gram schedule's polynomials (the same map in
-    exact arithmetic) by :func:`newton_schulz` in bfloat16, whose rounding is that of the standard path.
+    exact arithmetic) by :func:`newton_schulz` in bfloat16, whose rounding is that of the standard path, and so do
+    the square matrices (five iterations instead of the standard ten).
     """
     return device.type not in BFLOAT16_ONLY_DEVICES
 
@@ -421,11 +423,14 @@ def gram_form(device: torch.device) -> bool:
 def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
     """Orthogonalise a ``(batch, m, n)`` stack.
 
-    Rectangular matrices with ``use_gram`` take the Gram schedule (by :func:`gram_newton_schulz` where
-    :func:`gram_form` says so), the others the bfloat16 standard path.
+    With ``use_gram``, rectangular matrices take the Gram schedule by :func:`gram_newton_schulz`, and where
+    :func:`gram_form` says no (the CPU) every matrix takes its polynomials by :func:`newton_schulz`; the others
+    the bfloat16 standard path.
     """
+    if use_gram and not gram_form(G.device):
+        return newton_schulz(G, gram_schedule().coeffs)
     if use_gram and G.size(-1) != G.size(-2):
-        return gram_newton_schulz(G) if gram_form(G.device) else newton_schulz(G, gram_schedule().coeffs)
+        return gram_newton_schulz(G)
     return newton_schulz(G)
 
 

@@ -224,12 +224,14 @@ def test_the_cpu_runs_the_gram_polynomial_in_bfloat16(shape: tuple[int, int, int
 def test_orthogonalize_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     rect = random_matrices((2, 8, 12), seed=3)
     square = random_matrices((2, 8, 8), seed=3)
-    # On the CPU (no float16 hardware) the Gram schedule runs in the standard form
-    assert torch.equal(F.orthogonalize(rect, use_gram=True), F.newton_schulz(rect, F.gram_schedule().coeffs))
+    # On the CPU (no float16 hardware) the Gram schedule runs in the standard form, for square matrices too
+    for G in (rect, square):
+        assert torch.equal(F.orthogonalize(G, use_gram=True), F.newton_schulz(G, F.gram_schedule().coeffs))
+        assert torch.equal(F.orthogonalize(G, use_gram=False), F.newton_schulz(G))
     monkeypatch.setattr(F, "BFLOAT16_ONLY_DEVICES", frozenset())  # as on a GPU
     assert torch.equal(F.orthogonalize(rect, use_gram=True), F.gram_newton_schulz(rect))
     assert torch.equal(F.orthogonalize(rect, use_gram=False), F.newton_schulz(rect))
-    # Square matrices always take the standard path.
+    # There square matrices always take the standard path.
     assert torch.equal(F.orthogonalize(square, use_gram=True), F.newton_schulz(square))
 
 

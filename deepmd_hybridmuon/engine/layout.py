@@ -81,7 +81,7 @@ def assign(
     buckets: dict[tuple[bool, tuple[int, int]], Bucket] = {}
     offset = block = 0
     for bs, rows, cols in views:
-        gram = use_gram and rows != cols
+        gram = use_gram and (rows != cols or not F.gram_form(device))  # functional.orthogonalize's rule
         small, large = min(rows, cols), max(rows, cols)
         if K is not None and F.on_triton(small):  # one launch per iteration and residency
             f = fused.setdefault((gram, K.resident(small, large)), Fused(gram))
