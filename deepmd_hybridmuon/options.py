@@ -150,7 +150,7 @@ OPTIONS: tuple[Option, ...] = (
         True,
         "Gram Newton-Schulz (Polar Express coefficients, fp16) for rectangular matrices; "
         "square ones keep the bf16 standard iteration. On the CPU, where bf16 products are the fast ones, the same "
-        "polynomials run in the bf16 standard form.",
+        "five polynomials run in the bf16 standard form, for square matrices too.",
         effect="build",
     ),
     Option(
