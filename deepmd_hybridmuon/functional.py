@@ -420,18 +420,24 @@ def gram_form(device: torch.device) -> bool:
     return device.type not in BFLOAT16_ONLY_DEVICES
 
 
+def takes_gram(rows: int, cols: int, use_gram: bool, device: torch.device) -> bool:
+    """Whether a ``rows x cols`` matrix takes the Gram schedule, else the standard one.
+
+    The one rule, read by :func:`orthogonalize` and the engine's layout. With ``use_gram``: rectangular
+    matrices, and where :func:`gram_form` says no (the CPU) square ones too.
+    """
+    return use_gram and (rows != cols or not gram_form(device))
+
+
 def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
     """Orthogonalise a ``(batch, m, n)`` stack.
 
-    With ``use_gram``, rectangular matrices take the Gram schedule by :func:`gram_newton_schulz`, and where
-    :func:`gram_form` says no (the CPU) every matrix takes its polynomials by :func:`newton_schulz`; the others
-    the bfloat16 standard path.
+    The matrices :func:`takes_gram` names take the Gram schedule: by :func:`gram_newton_schulz` where
+    :func:`gram_form` says so, else its polynomials by :func:`newton_schulz`; the others the bfloat16 standard path.
     """
-    if use_gram and not gram_form(G.device):
-        return newton_schulz(G, gram_schedule().coeffs)
-    if use_gram and G.size(-1) != G.size(-2):
-        return gram_newton_schulz(G)
-    return newton_schulz(G)
+    if not takes_gram(G.size(-2), G.size(-1), use_gram, G.device):
+        return newton_schulz(G)
+    return gram_newton_schulz(G) if gram_form(G.device) else newton_schulz(G, gram_schedule().coeffs)
 
 
 # ---------------------------------------------------------------------------

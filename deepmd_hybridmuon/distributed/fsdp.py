@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 
-from .. import functional as F
 from ..engine.batched import BatchedStep, StepInputs
 from ..engine.group import GroupEngine
 from ..engine.layout import Layout
@@ -269,13 +268,7 @@ class ShardedStep(BatchedStep):
         super().__init__(layout, inputs, shared_gate)
         self.exchange, self.mesh = exchange, mesh
         self.pg = mesh.get_group(shard_dim)
-        self.settings: F.GroupSettings | None = None
         self.sums: torch.Tensor | None = None
-
-    def scalars(self, group: dict[str, Any]) -> list[float]:
-        """The engine's scalars; keeps the group's settings for the owners."""
-        self.settings = F.GroupSettings.of(group)  # the owners' scales and Newton-Schulz variant
-        return super().scalars(group)
 
     def gate(self) -> torch.Tensor:
         """The gate of this rank, made the same on every rank: one all-reduce (min) per mesh dimension.
@@ -309,7 +302,6 @@ class ShardedStep(BatchedStep):
     def orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Newton–Schulz on the owners: the shards of the update travel there, the scaled updates back."""
         L, ex = self.layout, self.exchange
-        assert self.settings is not None  # scalars() ran
         update = self.pending[1]
         self.pending = None
         neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(L.dtype)

@@ -78,6 +78,7 @@ class BatchedStep:
         self.shared_gate = shared_gate
         self.K = compilation.kernels() if layout.triton else None
         self.ok = inputs.ok  # the last step's finite gate (compute)
+        self.settings: F.GroupSettings | None = None  # the last step's (scalars)
         # step.run: a taken step on the CPU runs without the gating arithmetic (the Magma kernel, which
         # runs there under Triton's interpreter in the tests, takes the gate)
         self.ungated = not layout.magma_kernel
@@ -90,7 +91,7 @@ class BatchedStep:
         Advances every Adam parameter's own bias-correction powers (``beta1_pow``, ``beta2_pow``),
         as the loop does: parameters that missed steps keep their shorter step count.
         """
-        s = F.GroupSettings.of(group)
+        s = self.settings = F.GroupSettings.of(group)  # read again by subclasses' phases (FSDP2's owners)
         neg_steps, bc2 = [], []
         for st in self.layout.adam_states:
             advance_powers(st, s)

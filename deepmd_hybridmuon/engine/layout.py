@@ -81,7 +81,7 @@ def assign(
     buckets: dict[tuple[bool, tuple[int, int]], Bucket] = {}
     offset = block = 0
     for bs, rows, cols in views:
-        gram = use_gram and (rows != cols or not F.gram_form(device))  # functional.orthogonalize's rule
+        gram = F.takes_gram(rows, cols, use_gram, device)
         small, large = min(rows, cols), max(rows, cols)
         if K is not None and F.on_triton(small):  # one launch per iteration and residency
             f = fused.setdefault((gram, K.resident(small, large)), Fused(gram))
@@ -142,7 +142,7 @@ class Layout:
         ``routes``, ``enable_gram``, ``magma_muon``, ``lr_adjust``, ``lr_adjust_coeff``, whether
         ``weight_decay`` > 0; the learning rate, momentum and betas come in with each step).
     kernels
-        The Triton kernels module, or ``None`` for the torch path only.
+        The Triton kernels module, or ``None`` for the torch path only (always without ``paths``).
     paths
         Assign every Muon matrix to a Triton launch or a torch stack; off for shards, whose
         matrices this layout does not hold whole.
@@ -170,7 +170,7 @@ class Layout:
         self.magma = bool(group["magma_muon"])
         # One flat gradient buffer and one flat update buffer, Adam parameters first: one
         # copy in, one finite check and one update pass per step.
-        self.staged = [local[id(p)] for p in self.keys]
+        self.staged = self.adam + [p for p, _ in self.muon]
         # where the parameters live: a captured graph writes through these addresses
         self.storage = [p.data_ptr() for p in self.staged]
         self.shapes = [p.shape for p in self.staged]  # a new shape in the same storage rebuilds too
@@ -180,7 +180,7 @@ class Layout:
         self.grad_views = split_views(self.grad, self.staged)
         self.delta_views = split_views(self.delta, self.staged)
         self._build_adam(state, adam_keys)
-        self._build_muon(state, group, kernels if paths else None, [p for p, _ in muon_keys], paths)
+        self._build_muon(state, group, kernels, [p for p, _ in muon_keys], paths)
 
     @property
     def lanes(self) -> int:
