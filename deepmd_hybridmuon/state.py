@@ -245,8 +245,8 @@ def local_state(state: dict, p: torch.Tensor, key: str) -> torch.Tensor:
         from torch.distributed.tensor import distribute_tensor
 
         value = entry[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
-    elif laid_out_like(value, p) is not value:
-        value = entry[key] = laid_out_like(value, p)
+    elif (moved := laid_out_like(value, p)) is not value:  # redistributed once, kept
+        value = entry[key] = moved
     return local_shard(value)
 
 
