@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -80,17 +81,17 @@ def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
         host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         engine = opt._runners.get(0)
-        if i >= 10 and engine is not None and engine.executor.graph is not None:
+        if i >= 10 and engine is not None and engine.executor.captured:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            engine.executor.graph.replay()
+            engine.executor.capture.replay()
             end.record()
             end.synchronize()
             replay.append(start.elapsed_time(end))
     replay_ms = f"{statistics.median(replay):.3f}" if replay else "n/a (no graph)"
     line = f"graph on: host time of step() {statistics.median(host[10:]):.3f} ms, one replay {replay_ms} ms (GPU)"
     engine, group = opt._runners.get(0), opt.param_groups[0]
-    if engine is None or engine.executor.graph is None:
+    if engine is None or not engine.executor.captured:
         return line + "\n"
     parts: dict[str, list[float]] = {"signature": [], "stage": [], "replay (host)": []}
     for _ in range(30):
@@ -102,20 +103,20 @@ def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
         t1 = time.perf_counter()
         engine.executor.stage(engine.batched.scalars(group), [p.grad for p in engine.layout.staged], None)
         t2 = time.perf_counter()
-        engine.executor.graph.replay()
+        engine.executor.capture.replay()
         t3 = time.perf_counter()
         torch.cuda.synchronize()
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             parts[key].append(dt * 1e3)
     split = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in parts.items())
-    return f"{line}\n  host parts (ms): {split}\n" + (replay_timeline(engine.executor.graph) if timeline else "")
+    return f"{line}\n  host parts (ms): {split}\n" + (replay_timeline(engine.executor.capture) if timeline else "")
 
 
-def replay_timeline(graph: torch.cuda.CUDAGraph) -> str:
+def replay_timeline(capture: Any) -> str:
     """The kernels of one replay: start after the first kernel (µs), duration (µs), stream, name."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        capture.replay()
         torch.cuda.synchronize()
     rows = sorted(
         (e.start_ns(), e.duration_ns(), e.device_resource_id(), e.name())

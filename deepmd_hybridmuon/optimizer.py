@@ -630,9 +630,10 @@ class HybridMuonOptimizer(Optimizer):
         engine's Triton launches, ``"compiling"`` or ``"torch"``, and ``torch_matrices``: (rows,
         cols) of each shape this rank orthogonalises on the torch path. For the engine also:
         ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
-        kernels are compiled), ``cuda_graph`` (steps replay a captured graph), and the paths of
+        kernels are compiled) and the paths of
         the Muon matrices: ``program_matrices`` (one Triton program each) and ``torch_matrices``
-        ((rows, cols) of each parameter on the torch path).
+        ((rows, cols) of each parameter on the torch path). Both give ``cuda_graph``: steps replay
+        captured CUDA graphs (under FSDP2, graphs with the collectives between them).
         """
         rows = []
         for index, group in enumerate(self.param_groups):
@@ -641,7 +642,7 @@ class HybridMuonOptimizer(Optimizer):
             if fresh:
                 rows.append(runner.summary())
             elif any(distributed.is_dtensor(p) for p in group["params"]):  # FSDP2, not stepped yet
-                rows.append({"implementation": "fsdp2", "kernels": "torch", "torch_matrices": []})
+                rows.append({"implementation": "fsdp2", "kernels": "torch", "torch_matrices": [], "cuda_graph": False})
             else:
                 rows.append({"implementation": "loop"})
         return rows

@@ -1253,17 +1253,16 @@ def step(net, opt, k, check=False):
 
 
 # The FSDP2 step on a GPU must not make the host wait for it: every wait stalls the launch of
-# the rest of the step (the step is host-bound: hundreds of small kernels). One rank (NCCL,
-# world size 1) is enough: the step's code is the same on every rank. The owners' Newton–Schulz
-# runs the engine's Triton launches on every path (a first optimizer waits for their
-# compilation, so the measured one finds them loaded), and the result is the loop's on an
-# unsharded copy. In a
-# subprocess, so that this process's torch.distributed stays uninitialised for the other tests.
+# the rest of the step. On one GPU (NCCL, world size 1) and on two: the owners' Newton–Schulz
+# runs the engine's Triton launches on every path (a first optimizer waits for their compilation,
+# so the measured one finds them loaded), the step is captured as CUDA graphs with the
+# collectives between them from its third step on, and the result is the loop's on an unsharded
+# copy. In subprocesses, so that this process's torch.distributed stays uninitialised for the other tests.
 FSDP_ON_GPU = (
     """
 import copy, os, time, torch, torch.distributed as dist
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0", WORLD_SIZE="1")
-torch.cuda.set_device(0)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="{rank}", WORLD_SIZE="{world}")
+torch.cuda.set_device({rank})
 dist.init_process_group("nccl")
 from torch.distributed.fsdp import fully_shard
 from deepmd_hybridmuon import HybridMuonOptimizer
@@ -1273,8 +1272,13 @@ from deepmd_hybridmuon import HybridMuonOptimizer
 warm = model()
 fully_shard(warm)
 warm_opt, deadline = optimizer(warm), time.monotonic() + 240
-while warm_opt.execution_table()[0].get("kernels") != "triton" and time.monotonic() < deadline:
+while True:  # every rank steps as often as the others: each step is a sequence of collectives
     step(warm, warm_opt, 0)
+    done = warm_opt.execution_table()[0].get("kernels") != "compiling" or time.monotonic() > deadline
+    flag = torch.tensor(float(done), device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if flag.item():
+        break
     time.sleep(0.5)
 net = model()
 ref = copy.deepcopy(net)
@@ -1282,42 +1286,55 @@ start = [p.detach().clone() for p in net.parameters()]
 fully_shard(net)
 opt, ref_opt = optimizer(net), optimizer(ref)
 ref_opt._implementation = "loop"
-for k in range(4):
-    step(net, opt, k, check=k == 3)
+for k in range(5):
+    step(net, opt, k, check=k >= 3)
     step(ref, ref_opt, k)
 errors = []
 for (name, p), r, p0 in zip(net.named_parameters(), ref.parameters(), start):
     moved, expected = p.full_tensor() - p0, r.detach() - p0
     errors.append(float((moved - expected).norm() / expected.norm()))
-    print(name, errors[-1])
 row = opt.execution_table()[0]
 print(row["torch_matrices"])
-print(row["implementation"], row["kernels"], max(errors))
+print(row["implementation"], row["kernels"], row["cuda_graph"], max(errors))
 dist.destroy_process_group()
 """
 )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fsdp2_on_a_gpu_runs_the_kernels_matches_the_loop_and_never_waits() -> None:
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_on_gpus_runs_the_kernels_and_graphs_matches_the_loop_and_never_waits(world: int) -> None:
     import subprocess
 
-    run = subprocess.run(
-        [sys.executable, "-c", FSDP_ON_GPU.format(port=_free_port())],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]  # sync debug mode "error" raises on a host wait
-    torch_matrices, last = run.stdout.splitlines()[-2:]
-    implementation, kernels, worst = last.split()
-    assert (implementation, kernels) == ("fsdp2", "triton"), run.stdout
-    assert sorted(ast.literal_eval(torch_matrices)) == [(200, 160), (240, 200)], run.stdout  # smaller side > MAX_ROWS
-    # the owners' Triton launches against the loop's cuBLAS chain: test_parity's kernel tolerance,
-    # on the norm of each parameter's change over the 4 steps, as test_parity measures it
-    # (measured on an H100, 2026-11-24, when the 200 x 160 weight took a Triton kernel too: 4.9e-3; Adam routes 0.0)
-    assert float(worst) <= KERNEL_MUON_TOL, run.stdout
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    port = _free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", FSDP_ON_GPU.format(port=port, rank=rank, world=world)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = [proc.communicate(timeout=400) for proc in ranks]
+    torch_matrices, kernels = [], set()
+    for proc, (out, err) in zip(ranks, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]  # sync debug mode "error" raises on a host wait
+        shapes, last = out.splitlines()[-2:]
+        implementation, rank_kernels, graph, worst = last.split()
+        assert (implementation, graph) == ("fsdp2", "True"), out
+        kernels.add(rank_kernels)  # "torch" on a rank that owns only matrices of the torch path
+        torch_matrices += ast.literal_eval(shapes)
+        # the owners' Triton launches against the loop's cuBLAS chain: test_parity's kernel tolerance,
+        # on the norm of each parameter's change over the 5 steps, as test_parity measures it
+        # (measured on an H100, 2026-11-24, over 4 steps, when the 200 x 160 weight took a Triton kernel too: 4.9e-3;
+        # Adam routes 0.0)
+        assert float(worst) <= KERNEL_MUON_TOL, out
+    assert "triton" in kernels and kernels <= {"triton", "torch"}, outputs
+    # smaller side > MAX_ROWS: the torch path, on whichever rank owns the matrix
+    assert sorted(torch_matrices) == [(200, 160), (240, 200)], outputs
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or OWNERS_KERNELS == "triton", reason="runs the selection interpreted")

@@ -209,12 +209,12 @@ class ShardedEngine(GroupEngine):
 
     The layout holds the local shards (no Newton–Schulz paths: no matrix is whole here); the state
     stays DTensors laid out like the parameters, as views of the layout's flat buffers. Rebuilt by the
-    engine's rules (the optimizer's signature, :meth:`GroupEngine.matches`). Never captured in a CUDA graph:
-    the step's collectives run between its phases.
+    engine's rules (the optimizer's signature, :meth:`GroupEngine.matches`). On CUDA the step is captured as
+    the engine's is, as graphs cut at its collectives (``engine.execution``), once the owners' kernels are
+    no longer compiling.
     """
 
     PATHS = False
-    CUDA_GRAPH = False
 
     @staticmethod
     def supports(group: dict[str, Any]) -> bool:
@@ -256,7 +256,8 @@ class ShardedEngine(GroupEngine):
 
     def summary(self) -> dict[str, Any]:
         """The ``execution_table`` row: the owners' Newton–Schulz on this rank."""
-        return {"implementation": "fsdp2", **local.kernels_summary(self.exchange.kernels, self.exchange.groups)}
+        kernels = local.kernels_summary(self.exchange.kernels, self.exchange.groups)
+        return {"implementation": "fsdp2", **kernels, "cuda_graph": self.executor.captured}
 
 
 class ShardedStep(BatchedStep):
@@ -269,6 +270,12 @@ class ShardedStep(BatchedStep):
         self.exchange, self.mesh = exchange, mesh
         self.pg = mesh.get_group(shard_dim)
         self.sums: torch.Tensor | None = None
+
+    @property
+    def settled(self) -> bool:
+        """Not while the owners' kernels compile: once loaded, they replace the torch path."""
+        kernels = self.exchange.kernels
+        return kernels is None or kernels.state != "compiling"
 
     def gate(self) -> torch.Tensor:
         """The gate of this rank, made the same on every rank: one all-reduce (min) per mesh dimension.

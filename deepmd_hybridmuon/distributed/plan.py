@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
+from ..engine.execution import between_graphs
 
 # ----------------------------------------------------------------------------- collectives
 
@@ -40,12 +41,19 @@ def trace_collectives() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
         _TRACE.reset(token)
 
 
-def _collective(kind: str, sizes: tuple[int, ...], fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call the collective ``fn``; the single door every collective of the distributed steps goes through."""
-    record = _TRACE.get()
-    if record is not None:
-        record.append((kind, sizes))
-    return fn(*args, **kwargs)
+def _collective(kind: str, sizes: tuple[int, ...], fn: Any, *args: Any, **kwargs: Any) -> None:
+    """Call the collective ``fn``; the single door every collective of the distributed steps goes through.
+
+    Captured in a step's CUDA graphs, it runs between them at every replay (``engine.execution.between_graphs``).
+    """
+
+    def call() -> None:
+        record = _TRACE.get()
+        if record is not None:
+            record.append((kind, sizes))
+        fn(*args, **kwargs)
+
+    between_graphs(call)
 
 
 # ----------------------------------------------------------------------------- plan

@@ -13,11 +13,16 @@ Contract of :class:`Executor`:
   once the copy that last read it has run (its event; at once, in practice).
 * **Capture.** On CUDA with ``use_graph``, after :data:`GRAPH_WARMUP` eager steps (so
   cuBLAS and the caching allocator settle, as torch's CUDA-graph notes advise),
-  ``step.compute`` is captured once, each independent chain (torch bucket, Adam routes)
+  ``step.compute`` is captured once (when ``step.settled``), each independent chain (torch bucket, Adam routes)
   on a high-priority side stream of its own (they are the step's critical path). This
   holds on the torch path while the Triton kernels compile too: they compile in another
   process, and this one loads them only between steps, when the optimizer asks whether
   they are ready (and then builds a new engine), never inside a capture.
+* **Collectives.** A collective of the step (FSDP2's exchanges) runs through
+  :func:`between_graphs`. Captured, the step is cut there: it replays as its graphs with the
+  collectives run eagerly between them, in the captured order (a collective inside a graph would
+  replay without the process group's host bookkeeping). The graphs share one memory pool, and the
+  tensors a collective reads and writes live as long as the capture.
 * **Replay.** Every later step replays that graph. The graph holds the addresses of the
   layout's buffers and of the parameters: anything that changes them (other parameters,
   a loaded state dict, ...) needs a new layout, hence a new executor; the optimizer
@@ -28,6 +33,9 @@ Contract of :class:`Executor`:
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -39,6 +47,58 @@ GRAPH_WARMUP = 2
 RING = 4
 
 
+#: The capture in progress (:meth:`Executor._capture`), or ``None``.
+_CAPTURING: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar(
+    "deepmd_hybridmuon_capturing", default=None
+)
+
+
+def between_graphs(call: Callable[[], None]) -> None:
+    """Run ``call``, a collective of the step: now, or, while the step is captured, between two of its graphs."""
+    capture = _CAPTURING.get()
+    if capture is None:
+        call()
+    else:
+        capture.cut(call)
+
+
+class _Capture:
+    """A step captured as CUDA graphs cut at its collectives; :meth:`replay` runs them and the collectives in order.
+
+    The capture runs in "thread_local" mode: the process group's watchdog thread queries its own
+    events meanwhile.
+    """
+
+    def __init__(self, join: Callable[[], None]) -> None:
+        self.join = join  # a graph ends only once every side stream has joined the capture stream
+        self.pool = torch.cuda.graph_pool_handle()
+        self.parts: list[Callable[[], None]] = []
+        self._begin()
+
+    def _begin(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def end(self) -> None:
+        """End the graph being captured."""
+        self.join()
+        with warnings.catch_warnings():  # a rank that owns no matrix launches nothing between the exchanges
+            warnings.filterwarnings("ignore", "The CUDA Graph is empty")
+            self.graph.capture_end()
+        self.parts.append(self.graph.replay)
+
+    def cut(self, call: Callable[[], None]) -> None:
+        """End the graph being captured, then ``call`` at each replay, then capture the next graph."""
+        self.end()
+        self.parts.append(call)
+        self._begin()
+
+    def replay(self) -> None:
+        """The step: its graphs and collectives, in order."""
+        for part in self.parts:
+            part()
+
+
 class SideStreams(Lanes):
     """Lanes on streams of their own (while capturing), each starting after what the current stream queued."""
 
@@ -47,18 +107,21 @@ class SideStreams(Lanes):
         # High priority: these chains are the step's critical path. Run on the current stream
         # instead, the step was slower on every model measured (BENCHMARKS.md, "Why side streams").
         self.streams = [torch.cuda.Stream(device, priority=-1) for _ in range(count)]
+        self.forked: list[torch.cuda.Stream] = []  # the lanes used since the last join
 
     def lane(self, i: int) -> contextlib.AbstractContextManager:
         """Side stream ``i``, after everything the current stream has queued."""
         side = self.streams[i]
         side.wait_stream(torch.cuda.current_stream(self.device))
+        self.forked.append(side)
         return torch.cuda.stream(side)
 
     def join(self) -> None:
-        """The current stream waits for every side stream."""
+        """The current stream waits for every lane used since the last join (only those take part in the capture)."""
         main = torch.cuda.current_stream(self.device)
-        for side in self.streams:
+        for side in self.forked:
             main.wait_stream(side)
+        self.forked = []
 
 
 class Executor:
@@ -69,7 +132,7 @@ class Executor:
         self.step = step
         self.device = layout.device
         self.use_graph = use_graph and self.device.type == "cuda"
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.capture: _Capture | None = None
         self.eager_steps = 0
         self.grad_views = layout.grad_views
         # Host side of StepInputs.scalars: a ring of pinned buffers.
@@ -97,10 +160,10 @@ class Executor:
 
     def run(self) -> None:
         """The arithmetic of the staged step: replayed, captured now, or eager."""
-        if self.use_graph and self.graph is None and self.eager_steps >= GRAPH_WARMUP:
+        if self.use_graph and self.capture is None and self.eager_steps >= GRAPH_WARMUP and self.step.settled:
             self._capture()
-        if self.graph is not None:
-            self.graph.replay()
+        if self.capture is not None:
+            self.capture.replay()
         else:
             self.step.compute()
             self.eager_steps += 1
@@ -108,11 +171,17 @@ class Executor:
     @property
     def captured(self) -> bool:
         """Whether steps replay a captured CUDA graph."""
-        return self.graph is not None
+        return self.capture is not None
 
     def _capture(self) -> None:
-        graph = torch.cuda.CUDAGraph()
         lanes = SideStreams(self.device, self.step.layout.lanes)
-        with torch.cuda.graph(graph):
-            self.step.compute(lanes)
-        self.graph = graph
+        torch.cuda.synchronize(self.device)  # the staged inputs are in place before the capture stream reads them
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):
+            capture = _Capture(lanes.join)
+            token = _CAPTURING.set(capture)
+            try:
+                self.step.compute(lanes)
+            finally:
+                _CAPTURING.reset(token)
+                capture.end()
+        self.capture = capture

@@ -17,8 +17,8 @@ from .layout import Layout, assign
 class GroupEngine:
     """The flat engine of one param_group, built by the optimizer.
 
-    Subclasses change what the layout holds and how the step runs through :attr:`PATHS`,
-    :attr:`CUDA_GRAPH` and :meth:`_batched` (``distributed.ShardedEngine``: FSDP2's shards).
+    Subclasses change what the layout holds and how the step runs through :attr:`PATHS`
+    and :meth:`_batched` (``distributed.ShardedEngine``: FSDP2's shards).
 
     Parameters
     ----------
@@ -42,8 +42,6 @@ class GroupEngine:
 
     #: Whether the layout assigns the Muon matrices to Triton launches and torch stacks (:class:`.layout.Layout`).
     PATHS = True
-    #: Whether the step may be captured in a CUDA graph (with ``cuda_graph``).
-    CUDA_GRAPH = True
 
     def __init__(
         self,
@@ -67,7 +65,7 @@ class GroupEngine:
         self.layout = Layout(params, active_routes, state, group, kernels, self.PATHS)
         self.shared_gate = shared_gate
         self.batched = self._batched(StepInputs(self.layout), shared_gate, flash_muon)
-        self.executor = Executor(self.batched, cuda_graph and self.CUDA_GRAPH)
+        self.executor = Executor(self.batched, cuda_graph)
 
     def _batched(self, inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
         """The step on :attr:`layout`'s buffers."""
