@@ -255,13 +255,15 @@ PAIRS = (
     ("multi_gpu_dpa3_h200x2_2026-11-27.json", "dpa3_water", (1,)),
     ("multi_gpu_dpa4_h200x2_2026-11-27.json", "dpa4_water", (1,)),
     ("multi_gpu_dpa3_h200x4_2026-11-27.json", "dpa3_water", (1,)),
-    ("multi_gpu_dpa3_stage2_h200x4_2026-11-27.json", "dpa3_water", (2,)),
-    ("multi_gpu_dpa3_stage3_h200x4_2026-11-27.json", "dpa3_water", (3,)),
-    ("multi_gpu_dpa4_stage2_h200x4_2026-11-27.json", "dpa4_water", (2,)),
+    ("multi_gpu_dpa3_stage2_h100x4_2026-11-27.json", "dpa3_water", (2,)),
+    ("multi_gpu_dpa3_stage3_h100x4_2026-11-27.json", "dpa3_water", (3,)),
+    ("multi_gpu_dpa4_stage2_h100x4_2026-11-27.json", "dpa4_water", (2,)),
+    ("multi_gpu_dpa4_stage2_h100x2_2026-11-27.json", "dpa4_water", (2,)),
 )
 
 
-def several_gpus_pairs() -> str:
+def pair_rows() -> list[dict[str, Any]]:
+    """One row per complete pair of :data:`PAIRS`: file, config, GPUs, stage, pair, s/batch and step ms per variant."""
     rows = []
     for name, config, stages in PAIRS:
         runs = load(name)["configs"][config]["runs"]
@@ -270,39 +272,62 @@ def several_gpus_pairs() -> str:
             stage, _, pair = label.removeprefix("stage").partition("#")
             if not all(got.values()) or int(stage) not in stages:
                 continue  # a pair the call's time limit cut, or a stage left out
-            spb = {v: r["average_s_per_batch"] for v, r in got.items()}
-            ms = {v: r["optimizer_step"]["slowest_rank_median_ms"] for v, r in got.items()}
             rows.append(
-                [
-                    MODEL.get(config, config),
-                    str(load(name)["gpus"]),
-                    STAGE[int(stage)],
-                    pair or "1",
-                    *(f4(spb[v]) for v in ("ours", "adamw")),
-                    ratio(spb["ours"], spb["adamw"]),
-                    f"{ms['ours']:.2f} / {ms['adamw']:.2f}",
-                    ratio(ms["ours"], ms["adamw"]),
-                ]
+                {
+                    "name": name,
+                    "config": config,
+                    "stage": int(stage),
+                    "pair": pair or "1",
+                    "spb": {v: r["average_s_per_batch"] for v, r in got.items()},
+                    "ms": {v: r["optimizer_step"]["slowest_rank_median_ms"] for v, r in got.items()},
+                }
             )
+    return rows
+
+
+def several_gpus_pairs() -> str:
+    rows = [
+        [
+            MODEL.get(r["config"], r["config"]),
+            f"{load(r['name'])['gpus']} {TIMES} {gpu_model(r['name'])}",
+            STAGE[r["stage"]],
+            r["pair"],
+            *(f4(r["spb"][v]) for v in ("ours", "adamw")),
+            ratio(r["spb"]["ours"], r["spb"]["adamw"]),
+            f"{r['ms']['ours']:.2f} / {r['ms']['adamw']:.2f}",
+            ratio(r["ms"]["ours"], r["ms"]["adamw"]),
+        ]
+        for r in pair_rows()
+    ]
     head = ["model", "GPUs", "zero_stage", "pair", "ours s/batch", "AdamW", VS_ADAMW, "step ms ours / AdamW"]
     head.append(f"step: ours {TIMES} AdamW's")
     return table(head, rows, right=4) + "\n\n" + sources([name for name, _, _ in PAIRS])
 
 
-#: The scaling runs, one file per number of GPUs, all on one 4-GPU machine: (file, config).
+#: The scaling runs, one file per number of GPUs and set, each set on one 4-GPU machine: (file, config). Efficiency
+#: is against the one-GPU rate of the same GPU model; a set without a one-GPU run has none.
 SCALING = (
     ("scaling_dpa3_g1_h200x4_2026-11-27.json", "dpa3_water"),
     ("scaling_dpa3_g2_h200x4_2026-11-27.json", "dpa3_water"),
     ("scaling_dpa3_g4_h200x4_2026-11-27.json", "dpa3_water"),
+    ("scaling_dpa3_g2_fsdp_h100x4_2026-11-27.json", "dpa3_water"),
+    ("scaling_dpa3_g4_fsdp_h100x4_2026-11-27.json", "dpa3_water"),
 )
 SCALING_VARIANTS = ("ours", "adamw", "builtin")
+SCALING_NAMES = {"ours": "ours", "adamw": "AdamW", "builtin": "built-in"}
+
+
+def gpu_model(name: str) -> str:
+    """The GPU model of a results file, short: ``H100``, ``H200``."""
+    return load(name)["device"].replace("NVIDIA ", "").split()[0]
 
 
 def scaling_rows() -> list[dict[str, Any]]:
-    """One row per (GPUs, stage, round): each variant's s/batch, frames/s and efficiency (None: no run).
+    """One row per (GPU model, GPUs, stage, round): each variant's s/batch, frames/s, efficiency and failure.
 
     Frames per second: the GPUs times the batch size (frames) over the s/batch, every rank taking its own batch.
-    Efficiency: the frames/s over the GPUs times the same optimizer's one-GPU frames/s (the mean of its rounds).
+    Efficiency: the frames/s over the GPUs times the same optimizer's one-GPU frames/s on the same GPU model (the
+    mean of its rounds); None without one. ``failed``: the variants whose run failed (the file's ``problem``).
     """
     rows = []
     for name, config in SCALING:
@@ -310,38 +335,61 @@ def scaling_rows() -> list[dict[str, Any]]:
         per = data["configs"][config]
         batch = json.loads((HERE.parent / per["config"]).read_text())["training"]["training_data"]["batch_size"]
         for label in dict.fromkeys(k.rsplit("-", 1)[0] for k in per["runs"] if k != "warmup"):
-            spb = {}
+            spb, failed = {}, {}
             for v in SCALING_VARIANTS:
                 run = _run(name, config, f"{label}-{v}")
                 spb[v] = run["average_s_per_batch"] if run else None
+                problem = per["runs"].get(f"{label}-{v}", {}).get("problem")
+                if problem:
+                    failed[v] = problem
             stage, _, round_ = label.removeprefix("stage").partition("#")
             rate = {v: data["gpus"] * batch / s if s else None for v, s in spb.items()}
-            rows.append({"gpus": data["gpus"], "stage": int(stage), "round": round_ or "1", "spb": spb, "rate": rate})
+            rows.append(
+                {
+                    "model": gpu_model(name),
+                    "gpus": data["gpus"],
+                    "stage": int(stage),
+                    "round": round_ or "1",
+                    "spb": spb,
+                    "rate": rate,
+                    "failed": failed,
+                }
+            )
     for v in SCALING_VARIANTS:
-        single = [r["rate"][v] for r in rows if r["gpus"] == 1 and r["rate"][v]]
         for r in rows:
+            single = [o["rate"][v] for o in rows if o["gpus"] == 1 and o["model"] == r["model"] and o["rate"][v]]
             r.setdefault("eff", {})[v] = r["rate"][v] / (r["gpus"] * mean(single)) if single and r["rate"][v] else None
     return rows
 
 
 def scaling() -> str:
-    def cells(values: dict[str, float | None], fmt: str) -> list[str]:
-        return [format(values[v], fmt) if values[v] else DASH for v in SCALING_VARIANTS]
-
-    rows = [
-        [
-            str(r["gpus"]),
-            STAGE[r["stage"]] if r["gpus"] > 1 else "one process",
-            r["round"],
-            *cells(r["spb"], ".4f"),
-            *cells(r["rate"], ".2f"),
-            " / ".join(cells(r["eff"], ".2f")),
+    def cells(r: dict[str, Any], key: str, fmt: str) -> list[str]:
+        return [
+            format(r[key][v], fmt) if r[key][v] else ("failed" if v in r["failed"] else DASH) for v in SCALING_VARIANTS
         ]
-        for r in scaling_rows()
-    ]
-    head = ["GPUs", "zero_stage", "round", "ours s/batch", "AdamW", "built-in", "ours frames/s", "AdamW", "built-in"]
-    head.append("efficiency ours / AdamW / built-in")
-    return table(head, rows, right=3) + "\n\n" + sources([name for name, _ in SCALING])
+
+    rows, failures = [], {}
+    for r in scaling_rows():
+        rows.append(
+            [
+                r["model"],
+                str(r["gpus"]),
+                STAGE[r["stage"]] if r["gpus"] > 1 else "one process",
+                r["round"],
+                *cells(r, "spb", ".4f"),
+                *cells(r, "rate", ".2f"),
+                " / ".join(cells(r, "eff", ".2f")),
+            ]
+        )
+        for v, problem in r["failed"].items():
+            failures.setdefault((v, problem), []).append(f"{r['gpus']} GPUs at zero_stage {r['stage']}")
+    head = ["GPU", "GPUs", "zero_stage", "round", "ours s/batch", "AdamW", "built-in", "ours frames/s", "AdamW"]
+    head += ["built-in", "efficiency ours / AdamW / built-in"]
+    notes = "".join(
+        f"\n\nFailed: the {SCALING_NAMES[v]} on {', '.join(where)}: `{problem}`."
+        for (v, problem), where in failures.items()
+    )
+    return table(head, rows, right=4) + notes + "\n\n" + sources([name for name, _ in SCALING])
 
 
 #: The cost model's predictions (benchmarks/cost_model.py).
@@ -873,9 +921,13 @@ def readme_claims() -> list[str]:
         for rounds in _cpu_runs("step").values()
     ]
     (*_, ours_s), (*_, adamw_s) = cpu_time_to_accuracy_rows()
-    four = [r["eff"] for r in scaling_rows() if r["gpus"] == 4]
+    four = [r["eff"] for r in scaling_rows() if r["gpus"] == 4 and r["eff"]["ours"]]  # the sets with a one-GPU run
     eff = {v: [e[v] for e in four] for v in ("ours", "adamw")}
+    fsdp = [r for r in pair_rows() if r["stage"] >= 2]
+    spb, step = ([r[key]["ours"] / r[key]["adamw"] for r in fsdp] for key in ("spb", "ms"))
     return [
+        f"under FSDP2 ours trains at {min(spb):.2f}{DASH}{max(spb):.2f}{TIMES} AdamW's s/batch, and its step takes "
+        f"{min(step):.2f}{DASH}{max(step):.2f}{TIMES} AdamW's",
         f"{min(eff['ours']):.2f}{DASH}{max(eff['ours']):.2f} of 4 times the one-GPU rate with ours, as with AdamW "
         f"({min(eff['adamw']):.2f}{DASH}{max(eff['adamw']):.2f})",
         f"{min(cpu):.2f}{DASH}{max(cpu):.2f}{TIMES} the built-in's time",

@@ -14,7 +14,8 @@ For each ``zero_stage`` it predicts the slowest rank's step as host time + colle
   at FLOPS_PER_UNIT floating-point operations each, on ASSUMED tensor-core throughput, but never below the
   single-GPU step (MEASURED), whose kernels are bound by launches, not arithmetic, at DeePMD sizes;
 * **host**: the Python of the step, MEASURED on 2 GPUs (multi_gpu.py, DPA-3 water): it does not shrink with N,
-  since every rank walks every parameter's shard (FSDP2) or ZeroRedundancyOptimizer's bookkeeping (ZeRO-1).
+  since every rank replays its graphs and launches the same four collectives (FSDP2) or walks
+  ZeroRedundancyOptimizer's bookkeeping (ZeRO-1).
 
 Usage::
 
@@ -35,10 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_CONFIG_DIR, build_named_params, command_line, utc_now, write_json
 
 #: MEASURED: the host's mean time in step() per stage, ms, what the step costs the host whatever the traffic. Stage 1:
-#: 2 x H200, DPA-3 water, commit 1108e38 (multi_gpu_dpa3_h200x2_2026-11-27.json); stages 2 and 3: 2 x H200, DPA-3
-#: water, commit 6b86303 (multi_gpu_dpa3_stage2/stage3_h200x4_2026-11-27.json, every rank of three runs each);
-#: stage 0: the replayed CUDA graph, DPA-2 small on one H100 (multi_gpu_dpa2_small_h100x1_stage0_between_2026-11-25).
-HOST_MS = {0: 0.7, 1: 5.7, 2: 7.4, 3: 6.8}
+#: 2 x H200, DPA-3 water, commit 1108e38 (multi_gpu_dpa3_h200x2_2026-11-27.json); stages 2 and 3 (graphs replayed
+#: between the collectives): 2 x H100, DPA-3 water, commit b28709d (multi_gpu_dpa3_stage2/stage3_h100x4_2026-11-27.json,
+#: every rank of every run of ours); stage 0: the replayed CUDA graph, DPA-2 small on one H100
+#: (multi_gpu_dpa2_small_h100x1_stage0_between_2026-11-25).
+HOST_MS = {0: 0.7, 1: 5.7, 2: 1.6, 3: 1.5}
 #: MEASURED, 1 x H100 (step_time_h100_2026-11-27_families_without_r*.json): ours' whole step on one GPU, ms.
 ONE_GPU_STEP_MS = 1.0
 #: ASSUMED: (latency s per collective, bandwidth B/s per GPU) within one node of 8 (NVLink) and across nodes (IB).

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The scaling figure of BENCHMARKS.md: frames per second against GPUs, from ``benchmarks_doc.SCALING``'s files.
 
-One line per optimizer and ``zero_stage`` (the mean of a point's rounds), and each optimizer's ideal (N times its
-one-GPU rate) dashed. Needs matplotlib::
+One panel per GPU model, in it one line per optimizer and ``zero_stage`` (the mean of a point's rounds), and each
+optimizer's ideal (N times its one-GPU rate) dashed where the set has a one-GPU run. Needs matplotlib::
 
     python benchmarks/scaling_plot.py            # writes benchmarks/results/scaling_dpa3_water.png
 """
@@ -32,29 +32,31 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     rows = doc.scaling_rows()
-    gpus = sorted({r["gpus"] for r in rows})
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for v in doc.SCALING_VARIANTS:
-        single = [r["rate"][v] for r in rows if r["gpus"] == 1 and r["rate"][v]]
-        if not single:
-            continue
-        base = statistics.mean(single)
-        ax.plot(gpus, [n * base for n in gpus], ls="--", lw=0.8, color=COLOURS[v])
-        for stage in sorted({r["stage"] for r in rows if r["gpus"] > 1}):
-            points = [(1, base)]
-            for n in gpus[1:]:
-                got = [r["rate"][v] for r in rows if r["gpus"] == n and r["stage"] == stage and r["rate"][v]]
-                if got:
-                    points.append((n, statistics.mean(got)))
-            if len(points) > 1:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker=MARKERS[stage], color=COLOURS[v], label=f"{NAMES[v]}, {doc.STAGE[stage]}")
-    ax.set_xticks(gpus)
-    ax.set_xlabel("GPUs (one host)")
-    ax.set_ylabel("frames per second (batch size 1 per GPU)")
-    ax.set_title("DPA-3 water, dp --pt train (dashed: N x the 1-GPU rate)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    models = list(dict.fromkeys(r["model"] for r in rows))  # one panel per GPU model: timings compare within one
+    fig, axes = plt.subplots(1, len(models), figsize=(6.4 * len(models), 4.4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [r for r in rows if r["model"] == model]
+        gpus = sorted({r["gpus"] for r in mine})
+        for v in doc.SCALING_VARIANTS:
+            single = [r["rate"][v] for r in mine if r["gpus"] == 1 and r["rate"][v]]
+            base = statistics.mean(single) if single else None
+            if base:
+                ax.plot(gpus, [n * base for n in gpus], ls="--", lw=0.8, color=COLOURS[v])
+            for stage in sorted({r["stage"] for r in mine if r["gpus"] > 1}):
+                points = [(1, base)] if base else []
+                for n in gpus:
+                    got = [r["rate"][v] for r in mine if r["gpus"] == n > 1 and r["stage"] == stage and r["rate"][v]]
+                    if got:
+                        points.append((n, statistics.mean(got)))
+                if len(points) > 1 or (points and not base):
+                    xs, ys = zip(*points, strict=True)
+                    ax.plot(xs, ys, marker=MARKERS[stage], color=COLOURS[v], label=f"{NAMES[v]}, {doc.STAGE[stage]}")
+        ax.set_xticks(gpus)
+        ax.set_xlabel(f"{model} GPUs (one host)")
+        ax.set_ylabel("frames per second (batch size 1 per GPU)")
+        ax.set_title(f"DPA-3 water on {model}" + (" (dashed: N x the 1-GPU rate)" if 1 in gpus else ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
     print(args.out)
