@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from .. import functional as F
 from ..engine.batched import BatchedStep, StepInputs
 from ..engine.group import GroupEngine
 from ..engine.layout import Layout
@@ -63,7 +64,7 @@ class _Exchange:
     ``gather`` reassembles its matrices, grouped by shape.
     """
 
-    def __init__(self, plan: Plan, rank: int, device: torch.device, flash_muon: bool) -> None:
+    def __init__(self, plan: Plan, rank: int, device: torch.device) -> None:
         world = plan.world
         muon = plan.muon
         # Pieces of every rank: (src, k, j, start in the matrix, length, offset in src's local buffer).
@@ -101,7 +102,6 @@ class _Exchange:
         self.send_index = _cat_index(send_index, device)
 
         self.groups, start_of, self.owned_numel = _owned(plan, rank, device)
-        self.kernels = local.OwnedKernels(self.groups, device) if flash_muon else None  # the owners' Triton launches
 
         # Receive side: pieces of every source owned here, in the senders' order.
         self.recv_splits = [0] * world
@@ -209,9 +209,9 @@ class ShardedEngine(GroupEngine):
 
     The layout holds the local shards (no Newton–Schulz paths: no matrix is whole here); the state
     stays DTensors laid out like the parameters, as views of the layout's flat buffers. Rebuilt by the
-    engine's rules (the optimizer's signature, :meth:`GroupEngine.matches`). On CUDA the step is captured as
-    the engine's is, as graphs cut at its collectives (``engine.execution``), once the owners' kernels are
-    no longer compiling.
+    engine's rules (the optimizer's signature, :meth:`GroupEngine.matches`, :attr:`GroupEngine.outdated` once the
+    owners' Triton launches are compiled). On CUDA the step is captured as the engine's is, as graphs cut at its
+    collectives (``engine.execution``).
     """
 
     PATHS = False
@@ -245,18 +245,23 @@ class ShardedEngine(GroupEngine):
             )
         return bool(dtypes)
 
-    def _batched(self, inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
+    def _batched(self, group: dict[str, Any], inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
         index = {id(p): i for i, p in enumerate(self.group_params)}
         mesh, dim = mesh_of([p for p, _ in self.active])
         self.plan = build_plan([(index[id(p)], tuple(p.shape), r) for p, r in self.active], mesh.size(dim))
-        self.exchange = _Exchange(self.plan, mesh.get_local_rank(dim), torch.device(mesh.device_type), flash_muon)
+        device = self.layout.device
+        self.exchange = ex = _Exchange(self.plan, mesh.get_local_rank(dim), device)
         # The exchange's local buffer is the layout's flat Muon buffers: the same parameters, in the same order.
-        assert self.exchange.lengths == [t.numel() for t, _ in self.layout.muon]
-        return ShardedStep(self.layout, inputs, shared_gate, self.exchange, mesh, dim)
+        assert ex.lengths == [t.numel() for t, _ in self.layout.muon]
+        # The owners' Triton launches, once compiled; until then the torch path, and the engine is rebuilt then
+        # (outdated), as the one-process engine is.
+        settings = F.GroupSettings.of(group)
+        self.kernels, self.compiling = local.owned_kernels(ex.groups, device, self.layout.dtype, settings, flash_muon)
+        return ShardedStep(self.layout, inputs, shared_gate, ex, self.kernels, mesh, dim)
 
     def summary(self) -> dict[str, Any]:
         """The ``execution_table`` row: the owners' Newton–Schulz on this rank."""
-        kernels = local.kernels_summary(self.exchange.kernels, self.exchange.groups)
+        kernels = local.kernels_summary(self.kernels, self.exchange.groups, self.compiling)
         return {"implementation": "fsdp2", **kernels, "cuda_graph": self.executor.captured}
 
 
@@ -264,18 +269,19 @@ class ShardedStep(BatchedStep):
     """The engine's phases on this rank's shards, with the collectives of the module docstring between them."""
 
     def __init__(
-        self, layout: Layout, inputs: StepInputs, shared_gate: bool, exchange: _Exchange, mesh: Any, shard_dim: int
+        self,
+        layout: Layout,
+        inputs: StepInputs,
+        shared_gate: bool,
+        exchange: _Exchange,
+        kernels: local.OwnedKernels | None,
+        mesh: Any,
+        shard_dim: int,
     ) -> None:
         super().__init__(layout, inputs, shared_gate)
-        self.exchange, self.mesh = exchange, mesh
+        self.exchange, self.owned_kernels, self.mesh = exchange, kernels, mesh
         self.pg = mesh.get_group(shard_dim)
         self.sums: torch.Tensor | None = None
-
-    @property
-    def settled(self) -> bool:
-        """Not while the owners' kernels compile: once loaded, they replace the torch path."""
-        kernels = self.exchange.kernels
-        return kernels is None or kernels.state != "compiling"
 
     def gate(self) -> torch.Tensor:
         """The gate of this rank, made the same on every rank: one all-reduce (min) per mesh dimension.
@@ -316,5 +322,5 @@ class ShardedStep(BatchedStep):
         wire = local.wire_dtype(update.dtype)
         owned = to_owners(ex, update.to(wire), self.pg).to(update.dtype)
         delta = torch.empty_like(owned, dtype=wire)
-        local.orthogonalize_owned(self.settings, owned, ex.groups, damp, neg_lr, delta, ex.kernels)
+        local.orthogonalize_owned(self.settings, owned, ex.groups, damp, neg_lr, delta, self.owned_kernels)
         L.muon_delta.copy_(from_owners(ex, delta, self.pg))

@@ -73,107 +73,66 @@ def magma_damp(scores: torch.Tensor, sums: torch.Tensor, ok: torch.Tensor | None
 
 
 class OwnedKernels:
-    """The engine's Triton kernels for a rank's owned matrices, on the engine's paths.
+    """The engine's Triton launches for a rank's owned matrices, on the engine's paths.
 
     An owned buffer (:func:`.plan._owned`'s layout) is a flat vector of whole matrices grouped
     by shape, which is what the kernels read: the engine's own grouping
     (``engine.layout.assign``) gives each matrix its row of a path's metadata table (offset,
     sides, orientation, block), ``engine.layout.build_fused`` builds the tables, and each launch
     writes ``factor * O`` of its matrices straight into the output buffer: one program per matrix
-    (``orthogonalize_blocks``) up to ``kernels.MAX_ROWS``. Larger matrices keep the torch path, as do all of them until
-    Triton has compiled the variants in the background (``engine.compilation``), for good if one
-    fails to compile, and for buffers of other dtypes than the ones asked for. Built lazily,
-    for the dtype and ``use_gram`` of the first call.
+    (``orthogonalize_blocks``) up to ``kernels.MAX_ROWS``. Larger matrices keep the torch path.
+    Built by :func:`owned_kernels` once the launches are compiled.
     """
 
-    def __init__(self, groups: list[_ShapeGroup], device: torch.device) -> None:
-        self.groups, self.device = groups, device
-        self.key: tuple[torch.dtype, bool] | None = None
-        self.fused: list[Any] = []  # engine.layout.Fused, with their device tables
-        self.covered: set[int] = set()  # indices of the groups the launches orthogonalise
-        self.pending: Any = None  # the compilation asked for (None: none, or one failed)
-        self.ready = False
-        self.K: Any = None
-        self._scaling: tuple[float, float] | None = None
-        self._scale: torch.Tensor | None = None
-        self.ids = torch.cat([g.matrix_ids for g in groups]) if groups else None
-
-    def _build(self, dtype: torch.dtype, use_gram: bool) -> None:
-        self.key, self.fused, self.covered = (dtype, use_gram), [], set()
-        self.pending, self.ready = None, False
-        if not self.groups or not compilation.triton_runs_on(self.device):
-            return
-        K = self.K = compilation.kernels()
-        self.fused, _ = assign([(g.count, g.rows, g.cols) for g in self.groups], K, use_gram, self.device)
-        for f in self.fused:
-            build_fused(K, f, self.device)
+    def __init__(
+        self, K: Any, groups: list[_ShapeGroup], fused: list[Any], settings: F.GroupSettings, device: torch.device
+    ) -> None:
+        self.K, self.fused = K, fused
+        for f in fused:
+            build_fused(K, f, device)
         # A group (one shape) lies on one path: it is covered when its first block is.
-        taken = {row[int(K.MetaColumn.BLOCK)] for f in self.fused for row in f.meta}
-        first = [sum(g.count for g in self.groups[:i]) for i in range(len(self.groups))]
-        self.covered = {i for i, block in enumerate(first) if block in taken}
-        if self.covered:
-            self.pending = compilation.request(self.device, dtype, self._paths(), False)
+        taken = {row[int(K.MetaColumn.BLOCK)] for f in fused for row in f.meta}
+        first = [sum(g.count for g in groups[:i]) for i in range(len(groups))]
+        self.covered = {i for i, block in enumerate(first) if block in taken}  # indices of the groups done here
+        self.ids = torch.cat([g.matrix_ids for g in groups])
+        self.scale = torch.cat(  # filled on the device: no copy from the host
+            [torch.full((g.count,), settings.scale(g.rows, g.cols), dtype=torch.float32, device=device) for g in groups]
+        )
 
-    def _paths(self) -> list[tuple[bool, int, int]]:
-        return [(f.use_gram, f.rows, f.cols) for f in self.fused]
-
-    def _poll(self) -> None:
-        """Switch to the launches once their compilation is over and none of them failed."""
-        if self.ready or self.pending is None or not self.pending.is_set():
-            return
-        # Set also when a variant failed: asking again answers None then.
-        self.pending = compilation.request(self.device, self.key[0], self._paths(), False)  # type: ignore[index]
-        self.ready = self.pending is not None
-
-    @property
-    def state(self) -> str:
-        """``"triton"`` (the launches run), ``"compiling"`` or ``"torch"`` (none apply), as of now."""
-        self._poll()
-        return "triton" if self.ready else ("compiling" if self.pending is not None else "torch")
-
-    def torch_shapes(self) -> list[tuple[int, int]]:
-        """``(rows, cols)`` of the owned shapes the torch path orthogonalises, as of now."""
-        done = self.covered if self.state == "triton" else set()
-        return [(g.rows, g.cols) for i, g in enumerate(self.groups) if i not in done]
-
-    def run(
-        self,
-        settings: F.GroupSettings,
-        owned: torch.Tensor,
-        damp: torch.Tensor | None,
-        neg_lr: torch.Tensor,
-        out: torch.Tensor,
-    ) -> set[int]:
+    def run(self, owned: torch.Tensor, damp: torch.Tensor | None, neg_lr: torch.Tensor, out: torch.Tensor) -> set[int]:
         """Orthogonalise the matrices the launches take, into ``out``; the indices of the groups done."""
-        if owned.dtype != out.dtype:
-            return set()
-        if self.key != (owned.dtype, settings.use_gram):
-            self._build(owned.dtype, settings.use_gram)
-        self._poll()
-        if not self.ready:
-            return set()
-        scaling = (settings.lr_adjust, settings.lr_adjust_coeff)  # all functional.muon_scale reads
-        if scaling != self._scaling or self._scale is None:  # the first step, or lr_adjust changed
-            # filled on the device (no copy from the host, which would make it wait for the GPU)
-            fills = [
-                torch.full((g.count,), settings.scale(g.rows, g.cols), dtype=torch.float32, device=owned.device)
-                for g in self.groups
-            ]
-            self._scaling, self._scale = scaling, torch.cat(fills)
-        factor = F.muon_factor(self._scale, None if damp is None else damp[self.ids], neg_lr)
+        factor = F.muon_factor(self.scale, None if damp is None else damp[self.ids], neg_lr)
         for f in self.fused:
             run_fused(self.K, f, owned, out, factor)
         return self.covered
 
 
-def kernels_summary(kernels: OwnedKernels | None, groups: list[_ShapeGroup]) -> dict[str, Any]:
+def owned_kernels(
+    groups: list[_ShapeGroup], device: torch.device, dtype: torch.dtype, settings: F.GroupSettings, flash_muon: bool
+) -> tuple[OwnedKernels | None, Any]:
+    """The owners' launches if compiled, and the compilation pending if not (``engine.compilation.request``).
+
+    ``None, None`` where none apply: ``flash_muon`` off, no Triton on ``device``, no owned matrix the launches
+    take, parameters whose matrices travel in a wider dtype (:func:`wire_dtype`), or a variant failed to compile.
+    """
+    if not (flash_muon and groups and wire_dtype(dtype) == dtype and compilation.triton_runs_on(device)):
+        return None, None
+    K = compilation.kernels()
+    fused, _ = assign([(g.count, g.rows, g.cols) for g in groups], K, settings.use_gram, device)
+    ready = compilation.request(device, dtype, [(f.use_gram, f.rows, f.cols) for f in fused], False) if fused else None
+    if ready is None or not ready.is_set():
+        return None, ready
+    return OwnedKernels(K, groups, fused, settings, device), None
+
+
+def kernels_summary(kernels: OwnedKernels | None, groups: list[_ShapeGroup], compiling: Any) -> dict[str, Any]:
     """The owners' part of an ``execution_table`` row: ``kernels`` and ``torch_matrices``.
 
     ``torch_matrices``: ``(rows, cols)`` of each owned shape the torch path orthogonalises on this rank.
     """
-    if kernels is None:
-        return {"kernels": "torch", "torch_matrices": [(g.rows, g.cols) for g in groups]}
-    return {"kernels": kernels.state, "torch_matrices": kernels.torch_shapes()}
+    state = "triton" if kernels is not None else ("compiling" if compiling is not None else "torch")
+    done = kernels.covered if kernels is not None else set()
+    return {"kernels": state, "torch_matrices": [(g.rows, g.cols) for i, g in enumerate(groups) if i not in done]}
 
 
 def orthogonalize_owned(
@@ -191,7 +150,7 @@ def orthogonalize_owned(
     dtype. The matrices ``kernels`` takes go through the Triton launches (:class:`OwnedKernels`);
     the others are stacked by shape (``groups``) and orthogonalised by :func:`functional.orthogonalize`.
     """
-    done = kernels.run(settings, owned, damp, neg_lr, out) if kernels is not None else set()
+    done = kernels.run(owned, damp, neg_lr, out) if kernels is not None else set()
     for i, sg in enumerate(groups):
         if i in done:
             continue

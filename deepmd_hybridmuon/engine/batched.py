@@ -101,11 +101,6 @@ class BatchedStep:
         param_dtype = [s.muon_decay, -s.lr, s.adamw_decay]  # PARAM_DTYPE_SCALARS
         return [*param_dtype, s.momentum, 1.0 - s.beta1, 1.0 - s.beta2, *neg_steps, *bc2]
 
-    @property
-    def settled(self) -> bool:
-        """Whether the step may be captured now: its work no longer changes while the layout lives."""
-        return True
-
     # ---------------------------------------------------------------- device
 
     def compute(self, lanes: Lanes | None = None) -> None:

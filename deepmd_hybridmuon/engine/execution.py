@@ -13,7 +13,7 @@ Contract of :class:`Executor`:
   once the copy that last read it has run (its event; at once, in practice).
 * **Capture.** On CUDA with ``use_graph``, after :data:`GRAPH_WARMUP` eager steps (so
   cuBLAS and the caching allocator settle, as torch's CUDA-graph notes advise),
-  ``step.compute`` is captured once (when ``step.settled``), each independent chain (torch bucket, Adam routes)
+  ``step.compute`` is captured once, each independent chain (torch bucket, Adam routes)
   on a high-priority side stream of its own (they are the step's critical path). This
   holds on the torch path while the Triton kernels compile too: they compile in another
   process, and this one loads them only between steps, when the optimizer asks whether
@@ -160,7 +160,7 @@ class Executor:
 
     def run(self) -> None:
         """The arithmetic of the staged step: replayed, captured now, or eager."""
-        if self.use_graph and self.capture is None and self.eager_steps >= GRAPH_WARMUP and self.step.settled:
+        if self.use_graph and self.capture is None and self.eager_steps >= GRAPH_WARMUP:
             self._capture()
         if self.capture is not None:
             self.capture.replay()

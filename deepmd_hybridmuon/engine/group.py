@@ -64,10 +64,10 @@ class GroupEngine:
         kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon and self.PATHS)
         self.layout = Layout(params, active_routes, state, group, kernels, self.PATHS)
         self.shared_gate = shared_gate
-        self.batched = self._batched(StepInputs(self.layout), shared_gate, flash_muon)
+        self.batched = self._batched(group, StepInputs(self.layout), shared_gate, flash_muon)
         self.executor = Executor(self.batched, cuda_graph)
 
-    def _batched(self, inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
+    def _batched(self, group: dict[str, Any], inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
         """The step on :attr:`layout`'s buffers."""
         return BatchedStep(self.layout, inputs, shared_gate)
 
