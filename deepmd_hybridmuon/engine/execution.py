@@ -17,13 +17,13 @@ Contract of :class:`Executor`:
   on a high-priority side stream of its own (they are the step's critical path). This
   holds on the torch path while the Triton kernels compile too: they compile in another
   process, and this one loads them only between steps, when the optimizer asks whether
-  they are ready (and then builds a new engine), never inside a capture.
+  they are ready (and then builds a new engine, which captures anew), never inside a capture.
 * **Collectives.** A collective of the step (FSDP2's exchanges) runs through
   :func:`between_graphs`. Captured, the step is cut there: it replays as its graphs with the
   collectives run eagerly between them, in the captured order (a collective inside a graph would
   replay without the process group's host bookkeeping). The graphs share one memory pool, and the
   tensors a collective reads and writes live as long as the capture.
-* **Replay.** Every later step replays that graph. The graph holds the addresses of the
+* **Replay.** Every later step replays that capture. Its graphs hold the addresses of the
   layout's buffers and of the parameters: anything that changes them (other parameters,
   a loaded state dict, ...) needs a new layout, hence a new executor; the optimizer
   rebuilds the engine then (its signature).
@@ -181,7 +181,11 @@ class Executor:
             token = _CAPTURING.set(capture)
             try:
                 self.step.compute(lanes)
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # end the failed capture; the first error is the one to see
+                    capture.end()
+                raise
             finally:
                 _CAPTURING.reset(token)
-                capture.end()
+            capture.end()
         self.capture = capture
