@@ -595,14 +595,14 @@ class HybridMuonOptimizer(Optimizer):
         """
         if self._implementation not in IMPLEMENTATIONS:
             raise ValueError(f"Invalid _implementation: {self._implementation!r}; expected one of {IMPLEMENTATIONS}")
+        engine = self._runners.get(index)
+        signature = self._engine_signature(group)  # with the implementation: a loop group never has an engine
+        if engine is not None and engine.signature == signature and engine.matches(group) and not engine.outdated:
+            return engine
         sharded = any(distributed.is_dtensor(p) for p in group["params"])
         kind = distributed.ShardedEngine if sharded else GroupEngine
         if self._implementation == "loop" and not sharded:  # the loop cannot step shards
             return None
-        engine = self._runners.get(index)
-        signature = self._engine_signature(group)
-        if engine is not None and engine.signature == signature and engine.matches(group) and not engine.outdated:
-            return engine
         if not kind.supports(group):
             return None
         check_sizes(self.state, group["params"], self._describe)
