@@ -6,8 +6,8 @@ Every implementation of the step supplies the same phases on its own storage and
 * :mod:`.loop` (the reference): one parameter at a time, on the optimizer's state;
 * the flat engine (:mod:`.engine.batched`): batched over the group's flat buffers, eager or
   captured in a CUDA graph;
-* FSDP2 (:mod:`.distributed.fsdp`, with :mod:`.distributed.local`): on each rank's shards, the
-  Newton–Schulz on the matrices' owners.
+* FSDP2 (:mod:`.distributed.fsdp`, with :mod:`.distributed.local`): the flat engine on each rank's
+  shards, the Newton–Schulz on the matrices' owners, captured as CUDA graphs cut at its collectives.
 
 The phases, in order:
 
