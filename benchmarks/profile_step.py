@@ -10,6 +10,10 @@ Usage::
 
     python benchmarks/profile_step.py [--configs dpa3_water,se_e2_a_water] [--ours-kw magma_muon=False]
     python benchmarks/profile_step.py --configs se_e2_a_water --timeline
+    OMP_NUM_THREADS=1 python benchmarks/profile_step.py --device cpu --configs se_e2_a_water,dpa3_water
+
+On the CPU (``--device cpu``): the median time of a step and, from torch.profiler over 10 steps, its share in
+the Newton–Schulz products (``bmm``/``baddbmm``), in the other operators, and in the Python between them.
 """
 
 from __future__ import annotations
@@ -35,8 +39,13 @@ def main() -> None:
     ap.add_argument("--configs", default="dpa3_water,se_e2_a_water,dpa2_small_water")
     ap.add_argument("--ours-kw", action="append", default=[])
     ap.add_argument("--timeline", action="store_true", help="list the kernels of one graph replay")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args()
     kw = parse_kw(args.ours_kw, "--ours-kw")
+    if args.device == "cpu":
+        for name in args.configs.split(","):
+            print(cpu_split(name, kw))
+        return
     device = torch.device("cuda")
     for name in args.configs.split(","):
         named, _ = build_named_params(DEFAULT_CONFIG_DIR / f"{name}.json", device)
@@ -60,6 +69,43 @@ def main() -> None:
         print(f"## {name} ({kw}): {len(events)} kernels, {total / 1000:.3f} ms of GPU time")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         print(graph_split(named, kw, args.timeline))
+
+
+def cpu_split(name: str, kw: dict, steps: int = 10) -> str:
+    """One config's CPU step: median ms, and its time in Newton–Schulz's products, other operators and Python."""
+    named, trainable = build_named_params(DEFAULT_CONFIG_DIR / f"{name}.json", torch.device("cpu"))
+    named = [(n, p) for (n, p), t in zip(named, trainable, strict=True) if t]
+    params = [p for _, p in named]
+    opt = HybridMuonOptimizer(params, named_parameters=named, **kw)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=gen, dtype=p.dtype) * 1e-2 for p in params]
+
+    def step(fresh: list[torch.Tensor]) -> float:
+        for p, g in zip(params, fresh, strict=True):
+            p.grad = g
+        t0 = time.perf_counter()
+        opt.step()
+        return (time.perf_counter() - t0) * 1e3
+
+    sets = [[g.clone() for g in grads] for _ in range(3 + 2 * steps)]  # made before: no copy in a profiled step
+    for fresh in sets[:3]:
+        step(fresh)
+    median = statistics.median(step(fresh) for fresh in sets[3 : 3 + steps])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for fresh in sets[3 + steps :]:
+            step(fresh)
+    parts = {"Newton-Schulz products": 0.0, "other operators": 0.0, "Python between them": 0.0}
+    for e in prof.key_averages():
+        if e.key.startswith("Optimizer.step"):
+            parts["Python between them"] += e.self_cpu_time_total
+        elif e.key in ("aten::bmm", "aten::baddbmm"):
+            parts["Newton-Schulz products"] += e.self_cpu_time_total
+        elif e.key.startswith("aten::"):
+            parts["other operators"] += e.self_cpu_time_total
+    total = sum(parts.values())
+    shares = ", ".join(f"{k} {v / total:.0%} ({v / steps / 1e3:.1f} ms)" for k, v in parts.items())
+    threads = torch.get_num_threads()
+    return f"## {name}, CPU, {threads} thread(s): step {median:.1f} ms (median of {steps}); profiled: {shares}"
 
 
 def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
