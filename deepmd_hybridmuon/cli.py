@@ -169,37 +169,14 @@ def _cut(text: str, limit: int = 4 * ECHO_CHARS) -> str:
 
 
 def _describe(value: Any) -> str:
-    if value is None:
-        return "nothing (an empty file or null)"
-    return f"{type(value).__name__} {_short(value)}"
-
-
-def _check_layout(jdata: Any) -> None:
-    """Fail on a top level deepmd's compat step would crash on (it assumes objects)."""
-    if not isinstance(jdata, dict):
-        raise CheckError(
-            f"the top level must be an object of sections (model, learning_rate, loss, training, ...), "
-            f"got {_describe(jdata)}"
-        )
-    for section in SECTIONS:
-        if section in jdata and not isinstance(jdata[section], dict):
-            got = _describe(jdata[section])
-            raise CheckError(f"[at location `{section}`] `{section}` must be an object, got {got}")
-    missing = [s for s in ("model", "training") if s not in jdata]
-    if missing and "use_smooth" not in jdata:  # (a deepmd-kit v0 input has neither; its compat step converts it)
-        raise CheckError(
-            f"no {' and no '.join(f'`{s}`' for s in missing)} section: a dp train input needs `model` and "
-            "`training` (see `dp doc-train-input`)"
-        )
+    return "nothing (an empty file or null)" if value is None else f"{type(value).__name__} {_short(value)}"
 
 
 def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
     """Keys set both in ``optimizer`` and, the legacy way, in ``training``, with different values.
 
-    deepmd-kit's compat step merges the legacy keys over the ``optimizer`` section: the
-    legacy value wins, silently. Returns the error for a contradicting ``opt_type`` (the
-    run would train another optimizer than the section names) and a warning for each
-    other key.
+    deepmd-kit's compat step lets the legacy value win, silently. Returns the error for a contradicting ``opt_type``
+    (the run would train another optimizer than the section names) and a warning for each other key.
     """
     from deepmd.utils import argcheck
 
@@ -240,7 +217,7 @@ def _with_value(message: str, path: str, jdata: dict[str, Any], training: set[st
     message = message.replace(".Did you mean", ". Did you mean")
     match = re.search(r"key `([^`]+)`", message)
     legacy = [old for old, new in LEGACY_OPTIMIZER_KEYS.items() if match and new == match.group(1) and old in training]
-    if match and legacy and path.strip("/") == "optimizer":
+    if legacy and path.strip("/") == "optimizer":
         message = message.replace("[at location `optimizer`]", "[at location `training`]", 1)
         message = message.replace(match.group(0), f"key `{legacy[0]}`", 1)
     shown = re.sub(rf"`([^`]{{{ECHO_CHARS + 1},}})`", lambda m: f"`{m.group(1)[:ECHO_CHARS]}...`", message)
@@ -279,13 +256,25 @@ def _share(model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _normalize(jdata: Any) -> tuple[dict[str, Any], list[str], dict[str, Any] | None]:
-    """deepmd's compat conversion and normalisation, our schema registered; collect warnings.
-
-    Also returns the links of a multi-task input's ``shared_dict`` items (``None`` for one model).
-    """
+    """The input as dp train normalises it (our schema registered), the warnings, the ``shared_dict`` links or None."""
     from .plugin import register_schema
 
-    _check_layout(jdata)
+    # first refuse a top level that deepmd's compat step would crash on (it assumes objects)
+    if not isinstance(jdata, dict):
+        raise CheckError(
+            f"the top level must be an object of sections (model, learning_rate, loss, training, ...), "
+            f"got {_describe(jdata)}"
+        )
+    for section in SECTIONS:
+        if section in jdata and not isinstance(jdata[section], dict):
+            got = _describe(jdata[section])
+            raise CheckError(f"[at location `{section}`] `{section}` must be an object, got {got}")
+    missing = [s for s in ("model", "training") if s not in jdata]
+    if missing and "use_smooth" not in jdata:  # (a deepmd-kit v0 input has neither; its compat step converts it)
+        raise CheckError(
+            f"no {' and no '.join(f'`{s}`' for s in missing)} section: a dp train input needs `model` and "
+            "`training` (see `dp doc-train-input`)"
+        )
     register_schema()
     conflict, messages = _legacy_conflicts(jdata)
     try:
@@ -310,7 +299,6 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
 
     from .schema import resolve_legacy_keys
 
-    messages: list[str] = []
     shared_links = None
     written = set(jdata.get("training", {}))  # the keys of the input's training (the conversion moves some)
     if "model_dict" in jdata.get("model", {}):
@@ -346,7 +334,7 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
             raise CheckError(_with_value(str(err), err.path, jdata, written)) from err
         except ValueError as err:  # deepmd's own cross-key checks
             raise CheckError(f"deepmd-kit rejects the input: {_cut(str(err))}") from err
-    messages += [_cut(str(w.message)) for w in caught if issubclass(w.category, (DeprecationWarning, UserWarning))]
+    messages = [_cut(str(w.message)) for w in caught if issubclass(w.category, (DeprecationWarning, UserWarning))]
     section = jdata.get("optimizer", {})
     if section.get("type") == "HybridMuon":
         resolved, legacy = resolve_legacy_keys(section)
@@ -375,35 +363,32 @@ def _validate_optimizer(section: dict[str, Any]) -> None:
 Row = tuple[str, str, tuple[int, ...], str, tuple[int, int, int] | None, str, int, str]
 
 
-def _models(model_section: dict[str, Any], shared_links: dict[str, Any] | None) -> dict[str, Any]:
-    """The model, or one per branch (``model_dict`` key) with the ``shared_dict`` items shared as dp train does."""
+def _routing_rows(model_section: dict[str, Any], shared_links: dict[str, Any] | None, muon_mode: str) -> list[Row]:
+    """The route of each parameter of the model, or of each branch (``model_dict`` key) as dp train shares them."""
     from deepmd.pt.model.model import get_model
 
-    if "model_dict" not in model_section:
-        return {"": get_model(model_section)}
-    from deepmd.pt.train.wrapper import ModelWrapper
-
-    models = {key: get_model(sub) for key, sub in model_section["model_dict"].items()}
-    wrapper = ModelWrapper(models)
-    if shared_links:
-        # resume=True: link the modules, leave the statistics (they need data) alone
-        wrapper.share_params(shared_links, model_key_prob_map=dict.fromkeys(models, 1.0), resume=True)
-    return dict(wrapper.model.items())
-
-
-def _routing_rows(models: dict[str, Any], muon_mode: str) -> list[Row]:
     from .functional import route_parameter
 
+    if "model_dict" not in model_section:
+        models = {"": get_model(model_section)}
+    else:
+        from deepmd.pt.train.wrapper import ModelWrapper
+
+        branches = {key: get_model(sub) for key, sub in model_section["model_dict"].items()}
+        wrapper = ModelWrapper(branches)
+        if shared_links:
+            # resume=True: link the modules, leave the statistics (they need data) alone
+            wrapper.share_params(shared_links, model_key_prob_map=dict.fromkeys(branches, 1.0), resume=True)
+        models = dict(wrapper.model.items())
     rows = []
     first_branch: dict[int, str] = {}  # id of a parameter -> the first branch holding it
     for key, model in models.items():
         for name, p in model.named_parameters():
             full = f"{key}.{name}" if key else name
-            r = route_parameter(full, tuple(p.shape), muon_mode)
+            shape = tuple(p.shape)
+            r = route_parameter(full, shape, muon_mode)
             shared = first_branch.setdefault(id(p), key)
-            rows.append(
-                (key, full, tuple(p.shape), r.route, r.view, r.reason, p.numel(), "" if shared == key else shared)
-            )
+            rows.append((key, full, shape, r.route, r.view, r.reason, p.numel(), "" if shared == key else shared))
     return rows
 
 
@@ -417,10 +402,29 @@ def _print_routes(rows: list[Row], out: TextIO, indent: str = "  ") -> None:
         print(f"{line}  ({why})" if why else line, file=out)
 
 
-def _print_paths(rows: list[Row], out: TextIO) -> None:
-    """How many Muon matrices each Newton–Schulz path takes (``functional.on_triton``; shared parameters once)."""
+def _print_routing(rows: list[Row], muon_mode: str, table: bool, out: TextIO) -> None:
+    """The routes of the model, or of each branch and of the parameters dp train steps (shared ones once).
+
+    Then how many Muon matrices each Newton–Schulz path takes (``functional.on_triton``) and, with ``table``, one
+    row per parameter: name, shape, route, matrix view, reason.
+    """
     from .functional import TRITON_MAX_ROWS, on_triton
 
+    branches = list(dict.fromkeys(r[0] for r in rows))
+    if branches in ([], [""]):
+        print(f"\nrouting (muon_mode={muon_mode!r}): {len(rows)} parameters", file=out)
+        _print_routes(rows, out)
+    else:
+        print(f"\nrouting (muon_mode={muon_mode!r}) of each branch (model_dict key):", file=out)
+        for branch in branches:
+            mine = [r for r in rows if r[0] == branch]
+            shared = Counter(r[7] for r in mine if r[7])
+            note = "; ".join(f"{n} shared with {other} through shared_dict" for other, n in shared.items())
+            print(f"  {branch}: {len(mine)} parameters" + (f" ({note})" if note else ""), file=out)
+            _print_routes(mine, out, indent="    ")
+        distinct = [r for r in rows if not r[7]]
+        print(f"  dp train steps {len(distinct)} parameters (each shared one once):", file=out)
+        _print_routes(distinct, out, indent="    ")
     views = [r[4] for r in rows if r[4] is not None and not r[7]]
     triton = sum(bs for bs, m, n in views if on_triton(min(m, n)))
     total = sum(bs for bs, _, _ in views)
@@ -429,31 +433,9 @@ def _print_paths(rows: list[Row], out: TextIO) -> None:
         f"side <= {TRITON_MAX_ROWS}), {total - triton} batched torch (cuBLAS)",
         file=out,
     )
-
-
-def _print_summary(rows: list[Row], muon_mode: str, out: TextIO) -> None:
-    """The routes of the model, or of each branch and of the parameters dp train steps (shared ones once)."""
-    branches = list(dict.fromkeys(r[0] for r in rows))
-    if branches in ([], [""]):
-        print(f"\nrouting (muon_mode={muon_mode!r}): {len(rows)} parameters", file=out)
-        _print_routes(rows, out)
-        _print_paths(rows, out)
+    if not table:
+        print("  (--table lists every parameter)", file=out)
         return
-    print(f"\nrouting (muon_mode={muon_mode!r}) of each branch (model_dict key):", file=out)
-    for branch in branches:
-        mine = [r for r in rows if r[0] == branch]
-        shared = Counter(r[7] for r in mine if r[7])
-        note = "; ".join(f"{n} shared with {other} through shared_dict" for other, n in shared.items())
-        print(f"  {branch}: {len(mine)} parameters" + (f" ({note})" if note else ""), file=out)
-        _print_routes(mine, out, indent="    ")
-    distinct = [r for r in rows if not r[7]]
-    print(f"  dp train steps {len(distinct)} parameters (each shared one once):", file=out)
-    _print_routes(distinct, out, indent="    ")
-    _print_paths(rows, out)
-
-
-def _print_table(rows: list[Row], out: TextIO) -> None:
-    """One row per parameter: name, shape, route, matrix view, reason."""
     width = max([len(r[1]) for r in rows] + [9])
     print("\nrouting table:", file=out)
     print(f"  {'parameter':{width}s}  {'shape':18s} {'route':6s} {'matrices':12s} reason", file=out)
@@ -480,8 +462,7 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
     from .engine.compilation import MIN_CAPABILITY, triton_runs_on
 
     need = ".".join(map(str, MIN_CAPABILITY))
-    on = flash_muon and triton_runs_on(device)
-    if on:
+    if flash_muon and triton_runs_on(device):
         if device.type == "cpu":
             return True, "on: Triton's interpreter (TRITON_INTERPRET=1) on the CPU"
         import triton
@@ -534,9 +515,6 @@ ZERO_STAGES: dict[int, tuple[str, str, str]] = {
         "matrix orthogonalised once, on one owner rank (four collectives per step)",
     ),
 }
-#: Stages whose Muon matrices are orthogonalised by their owner rank (:mod:`.distributed.fsdp`, whose owners run the
-#: engine's Triton kernels when :func:`triton_decision` says on).
-OWNER_STAGES: tuple[int, ...] = (2, 3)
 
 
 def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO, *, verbose: bool) -> None:
@@ -545,16 +523,14 @@ def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO
     print(f"  Triton kernels  {triton_line}", file=out)
     strategy, words, mechanism = ZERO_STAGES[stage]
     plan = f"{strategy} under torchrun: {words}"
-    gpu = device.type == "cuda"
-    if gpu:
-        print(f"  zero_stage {stage}    {plan}", file=out)
-    else:  # deepmd-kit's torchrun training puts each rank on a GPU
-        print(f"  zero_stage {stage}    not used here: on the CPU, dp --pt train trains in one process", file=out)
+    gpu = device.type == "cuda"  # deepmd-kit's torchrun training puts each rank on a GPU
+    here = plan if gpu else "not used here: on the CPU, dp --pt train trains in one process"
+    print(f"  zero_stage {stage}    {here}", file=out)
     if verbose:
         if not gpu:
             print(f"                  with GPUs, {plan}", file=out)
         print(f"                  how: {mechanism}", file=out)
-        if stage in OWNER_STAGES:
+        if stage in (2, 3):  # FSDP2: each Muon matrix orthogonalised by its owner rank (distributed/fsdp.py)
             kernels = "the Triton kernels" if on else "batched torch kernels (Triton off, as above)"
             print(f"                  the owner ranks orthogonalise with {kernels}", file=out)
     else:
@@ -586,15 +562,14 @@ def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float]:
             f"[at location `learning_rate`] deepmd-kit rejects the schedule with training.numb_steps {steps}: "
             f"{_cut(str(err))}"
         ) from err
-    warmup = schedule.warmup_steps
     line = (
         f"learning rate: {section.get('type', 'exp')}, start_lr {schedule.start_lr:g} to stop_lr {schedule.stop_lr:g} "
         f"over {steps:,} steps (training.numb_steps): {first:.3g} at step 0, {last:.3g} at step {max(steps - 1, 0):,}"
     )
     if section.get("type", "exp") == "exp" and "decay_steps" in section:
         line += f"; decays every {section['decay_steps']:,} steps"
-    if warmup:
-        line += f"; warm-up over the first {warmup:,} steps"
+    if schedule.warmup_steps:
+        line += f"; warm-up over the first {schedule.warmup_steps:,} steps"
     return line, float(schedule.start_lr)
 
 
@@ -634,7 +609,7 @@ def check_input(
     if hybrid:
         _validate_optimizer(section)
         if routing:
-            rows = _routing_rows(_models(jdata["model"], shared_links), section["muon_mode"])
+            rows = _routing_rows(jdata["model"], shared_links, section["muon_mode"])
         device = _training_device()
     for message in messages:
         print(f"warning: {message}", file=sys.stderr)
@@ -643,21 +618,15 @@ def check_input(
     if not hybrid:
         print(f"optimizer: {section.get('type')} (not HybridMuon; nothing more to check)", file=out)
         return jdata
-    hint = lr_hint(start_lr)
-    if hint:
+    if hint := lr_hint(start_lr):
         print(f"  {hint}", file=out)
     print("optimizer: HybridMuon (deepmd-hybridmuon)", file=out)
     for key, value in section.items():
         if key != "type" and value is not None:
             print(f"  {key:16s} {value!r}", file=out)
     if routing:
-        _print_summary(rows, section["muon_mode"], out)
-        if table:
-            _print_table(rows, out)
-        else:
-            print("  (--table lists every parameter)", file=out)
-    stage = int(jdata["training"].get("zero_stage", 0))
-    _print_machine(section, stage, device, out, verbose=verbose or table)
+        _print_routing(rows, section["muon_mode"], table, out)
+    _print_machine(section, int(jdata["training"].get("zero_stage", 0)), device, out, verbose=verbose or table)
     return jdata
 
 

@@ -22,6 +22,7 @@ Nothing here runs at import of :mod:`deepmd_hybridmuon`; the entry points run it
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import logging
@@ -49,7 +50,13 @@ SUPPORTED_DEEPMD: tuple[tuple[int, int], tuple[int, int]] = ((3, 2), (3, 3))
 SUPPORTED_DEEPMD_TEXT = "deepmd-kit >=3.2.0,<3.3"
 #: Trainer modules whose ``Trainer`` we patch.
 TRAINER_MODULES: tuple[str, ...] = ("deepmd.pt.train.training", "deepmd.pt_expt.train.training")
+DP_MAIN_MODULE = "deepmd.main"
+#: Set this environment variable to a non-empty value other than "0" to keep deepmd-kit's
+#: built-in HybridMuon (e.g. to compare both); the entry points then only make the trainer log
+#: that (:func:`disabled_notice`).
+DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
 _PATCHED = "_hybridmuon_patched"
+_NOTICE = "_hybridmuon_disabled_notice"
 
 
 class UnsupportedDeepmdError(RuntimeError):
@@ -62,13 +69,9 @@ class UnsupportedDeepmdError(RuntimeError):
 def check_deepmd_version(installed: str | None = None) -> str:
     """Return the installed deepmd-kit version; raise if this plugin does not support it."""
     installed = installed or dist_version("deepmd-kit")
-    parts = []
-    for piece in installed.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    major_minor = tuple(parts)
-    low, high = SUPPORTED_DEEPMD
-    if not (low <= major_minor < high):
+    # the digits of the first two parts: "3.2.0rc1" -> (3, 2)
+    major_minor = tuple(int("".join(filter(str.isdigit, part)) or 0) for part in installed.split(".")[:2])
+    if not (SUPPORTED_DEEPMD[0] <= major_minor < SUPPORTED_DEEPMD[1]):
         raise UnsupportedDeepmdError(
             f"deepmd-hybridmuon {__version__} supports {SUPPORTED_DEEPMD_TEXT}, but deepmd-kit {installed} "
             "is installed. Install a supported deepmd-kit or uninstall deepmd-hybridmuon; it will not "
@@ -164,10 +167,7 @@ def routing_summary(optimizer: HybridMuonOptimizer) -> str:
 
 
 def _log_first_step(optimizer: HybridMuonOptimizer) -> None:
-    """Log our INFO line (and the DEBUG routing table) once, at the first step.
-
-    The first step comes after the trainer has given the parameters their names.
-    """
+    """Log our INFO line (and the DEBUG routing table) at the first step, once the trainer has named the parameters."""
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         handle.remove()
@@ -237,16 +237,13 @@ def patch_trainer(module: Any) -> None:
     def _create_optimizer(self: Any, optimizer_class: type, **kwargs: Any) -> torch.optim.Optimizer:
         if optimizer_class is not builtin and optimizer_class is not HybridMuonOptimizer:
             return create(self, optimizer_class, **kwargs)
-        section = getattr(self, "_hybridmuon_section", {})
-        extra = optimizer_kwargs(section, kwargs)
-        stage = getattr(getattr(self, "sharding", None), "stage", 0)
-        if stage == 1:
+        extra = optimizer_kwargs(getattr(self, "_hybridmuon_section", {}), kwargs)
+        if getattr(getattr(self, "sharding", None), "stage", 0) == 1:
             # ZeRO-1: each rank's optimizer steps its own partition; ranks must agree on skipping a
             # step with a non-finite gradient. ZeroRedundancyOptimizer takes parameters_as_bucket_view
             # itself: each rank's parameters live in one flat bucket, and the step ends with one
             # broadcast per rank instead of one per parameter (BENCHMARKS.md, several GPUs).
-            extra["nonfinite_across_ranks"] = True
-            extra["parameters_as_bucket_view"] = True
+            extra.update(nonfinite_across_ranks=True, parameters_as_bucket_view=True)
         optimizer = create(self, HybridMuonOptimizer, **extra)
         _log_first_step(_local(optimizer))  # type: ignore[arg-type]
         return optimizer
@@ -293,40 +290,24 @@ def patch_trainer(module: Any) -> None:
     setattr(trainer, _PATCHED, True)
 
 
-def _hook_trainer_module(name: str) -> None:
-    import wrapt
-
-    wrapt.register_post_import_hook(patch_trainer, name)
-
-
 # --------------------------------------------------------------------------- dp check
-
-DP_MAIN_MODULE = "deepmd.main"
 
 
 def add_dp_check(module: types.ModuleType | None = None) -> None:
     """Give deepmd-kit's ``dp`` a ``check`` subcommand: ``dp [--pt | --pt-expt] check input.json``.
 
-    ``dp`` has no hook for new subcommands. This relies on the following shape of
-    ``deepmd.main`` (deepmd-kit 3.2), and changes nothing of deepmd-kit's files:
+    ``dp`` has no hook for new subcommands, so this relies on the shape of ``deepmd.main`` (deepmd-kit 3.2) and
+    changes none of deepmd-kit's files: ``dp``'s console script imports ``deepmd.main`` and then reads its
+    ``main``; importing ``deepmd.main`` imports ``deepmd.backend``, which runs this function (entry point group
+    ``deepmd.backend``) while ``deepmd.main`` is a plain module still being imported. Once imported, it has
+    ``main(args=None)`` and ``main_parser()``, whose ``argparse`` parser has one subparsers action ``"command"``.
 
-    * ``dp`` is a console script that imports ``deepmd.main`` and then reads its ``main``;
-      importing ``deepmd.main`` imports ``deepmd.backend``, which runs this function (entry
-      point group ``deepmd.backend``) while ``deepmd.main`` is a plain module in
-      ``sys.modules`` that is still being imported;
-    * once imported, ``deepmd.main`` has ``main(args=None)`` and ``main_parser()``, which
-      returns dp's ``argparse`` parser with one subparsers action whose ``dest`` is
-      ``"command"``.
-
-    The module's class is then set to :class:`_DpMainModule`, whose ``main`` attribute is
-    deepmd's ``main`` wrapped by :func:`_dp_main`: a command line whose command is ``check``,
-    or one without a command (``dp``, ``dp -h``), is parsed by deepmd's parser with our
-    ``check`` subparser added; every other one goes to deepmd's ``main`` as it is. The
-    module's own code reads its globals, not the attribute, and is unchanged.
-
-    Anything else (``deepmd.main`` absent, not a plain module, no ``main`` or
-    ``main_parser``, a parser without that subparsers action): ``dp`` is deepmd's own and a
-    DEBUG line on ``deepmd.hybridmuon`` says why. Idempotent.
+    The module's class becomes :class:`_DpMainModule`, whose ``main`` attribute is deepmd's ``main`` wrapped by
+    :func:`_dp_main`: a ``check`` command line, or one without a command (``dp``, ``dp -h``), is parsed by
+    deepmd's parser with our ``check`` subparser added; every other one goes to deepmd's ``main`` as it is. The
+    module's own code reads its globals, not the attribute, and is unchanged. Any other shape (``deepmd.main``
+    absent, not a plain module, no ``main`` or ``main_parser``, no such subparsers action) leaves ``dp``
+    deepmd's own, and a DEBUG line on ``deepmd.hybridmuon`` says why. Idempotent.
 
     Parameters
     ----------
@@ -371,8 +352,6 @@ class _DpMainModule(types.ModuleType):
 
 def _dp_parser(module: types.ModuleType) -> Any:
     """dp's parser with ``check`` added, or ``None`` (logged at DEBUG) if it is not the expected shape."""
-    import argparse
-
     from .cli import CHECK_DESCRIPTION, CHECK_HELP, add_check_arguments
 
     main_parser = module.__dict__.get("main_parser")
@@ -433,8 +412,21 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
         off = _disabled()  # dp is deepmd-kit's own, only its check says why there is none
         if parser is None or (off and command != "check"):
             return original(args)
+        from .cli import optimizer_error, run_check  # already imported by _dp_parser
+
         if command not in (None, "check"):
-            return _optimizer_errors_in_one_line(original, args, parser, argv)
+            # deepmd-kit's `dp train` lets dargs' error end the process in a traceback: an optimizer section
+            # that fails our schema ends with dp check's message instead, exit 1.
+            from dargs.dargs import ArgumentError
+
+            try:
+                return original(args)
+            except ArgumentError as err:
+                message = optimizer_error(err, getattr(parser.parse_known_args(argv)[0], "INPUT", None))
+                if message is None:
+                    raise
+                print(f"error: {message}", file=sys.stderr)
+                raise SystemExit(1) from None
         if off:
             print(
                 f"dp: error: no `check` command: deepmd-hybridmuon is off ({DISABLE_ENV}={os.environ[DISABLE_ENV]} "
@@ -443,8 +435,6 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
                 file=sys.stderr,
             )
             raise SystemExit(2)
-        from .cli import run_check
-
         parsed = parser.parse_args(argv)
         if parsed.command is None:  # `dp` alone: deepmd prints its help
             parser.print_help()
@@ -457,34 +447,7 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
     return main
 
 
-def _optimizer_errors_in_one_line(original: Callable[..., Any], args: Any, parser: Any, argv: list[str]) -> Any:
-    """deepmd's ``main``; an input whose optimizer section fails our schema ends with dp check's message, exit 1.
-
-    deepmd-kit's ``dp train`` lets dargs' error end the process in a traceback.
-    """
-    from dargs.dargs import ArgumentError
-
-    try:
-        return original(args)
-    except ArgumentError as err:
-        from .cli import optimizer_error
-
-        message = optimizer_error(err, getattr(parser.parse_known_args(argv)[0], "INPUT", None))
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(1) from None
-
-
 # ------------------------------------------------------------------------ entry points
-
-#: Set this environment variable to a non-empty value other than "0" to keep deepmd-kit's
-#: built-in HybridMuon (e.g. to compare both); the entry points then only make the trainer log
-#: that (:func:`disabled_notice`).
-DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
-
-
-_NOTICE = "_hybridmuon_disabled_notice"
 
 
 def disabled_notice(module: Any) -> None:
@@ -503,12 +466,11 @@ def disabled_notice(module: Any) -> None:
     def __init__(self: Any, config: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         if not said:
             said.append(True)
-            kind = (config.get("optimizer") or {}).get("type", "default")
             log.info(
                 "deepmd-hybridmuon is off (%s=%s in the environment): deepmd-kit's built-in %s optimizer runs",
                 DISABLE_ENV,
                 os.environ.get(DISABLE_ENV, ""),
-                kind,
+                (config.get("optimizer") or {}).get("type", "default"),
             )
         original_init(self, config, *args, **kwargs)
 
@@ -520,23 +482,19 @@ def _disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "") not in ("", "0")
 
 
-def _enable(trainer_module: str | None) -> bool:
+def _enable(trainer_module: str | None) -> None:
     """Version check and schema registration; then patch ``trainer_module`` when it is imported.
 
-    Returns ``False`` when :data:`DISABLE_ENV` is set; then the trainer only gets
-    :func:`disabled_notice`'s log line.
+    With :data:`DISABLE_ENV` set, the trainer only gets :func:`disabled_notice`'s log line.
     """
-    if _disabled():
-        if trainer_module is not None:
-            import wrapt
-
-            wrapt.register_post_import_hook(disabled_notice, trainer_module)
-        return False
-    check_deepmd_version()
-    register_schema()
+    off = _disabled()
+    if not off:
+        check_deepmd_version()
+        register_schema()
     if trainer_module is not None:
-        _hook_trainer_module(trainer_module)
-    return True
+        import wrapt
+
+        wrapt.register_post_import_hook(disabled_notice if off else patch_trainer, trainer_module)
 
 
 def on_deepmd_backend() -> None:
