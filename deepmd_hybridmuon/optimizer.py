@@ -14,7 +14,7 @@ import logging
 import math
 import re
 import textwrap
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,9 +38,13 @@ from .validation import (
 #: Under deepmd's logger, so that ``dp`` shows these lines (the name imports nothing).
 log = logging.getLogger("deepmd.hybridmuon")
 
-
 #: The log line once a group's flat engine runs the Triton kernels (benchmarks read it).
 KERNELS_IN_USE_LOG = "Triton kernels in use from step %d of this run"
+#: The log line of the first skipped steps (tests and benchmarks may read it).
+SKIPPED_LOG = (
+    "steps skipped: %d of the first %d param_group steps (a gradient was NaN or inf, or too large for the "
+    "arithmetic); a skipped group keeps its parameters and state. Logged once"
+)
 #: The settings and group keys a group's engine is built from (the options that take effect at "build").
 _BUILD_SETTINGS: tuple[str, ...] = tuple(key for key in SETTINGS if OPTION[key].effect == "build")
 _BUILD_GROUP_KEYS: tuple[str, ...] = tuple(key for key in GROUP_KEYS if OPTION[key].effect == "build")
@@ -58,22 +62,15 @@ IMPLEMENTATIONS: tuple[str, ...] = ("engine", "engine-eager", "loop")
 #: values an object pickled without them (torch's own ``__getstate__``) gets: the constructor's defaults.
 _PICKLED: dict[str, Any] = {
     **{key: OPTION[key].default for key in SETTINGS},
-    "_implementation": "engine",
-    "_names_version": 0,
-    "_state_version": 0,
-    "_adam_limit_logged": False,
-    "_steps_taken": 0,
+    "_implementation": "engine",  # see IMPLEMENTATIONS
+    "_names_version": 0,  # bumped when names change: the flat engines rebuild
+    "_state_version": 0,  # bumped when a state dict is loaded
+    "_adam_limit_logged": False,  # _log_adam_limit's one line was written
+    "_steps_taken": 0,  # by this object (the log says from which step the Triton kernels run)
 }
 #: State tensors kept in float32 whatever the parameter dtype (torch's load_state_dict
 #: casts them to the parameter dtype; we cast them back).
 _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
-
-
-#: The log line of the first skipped steps (tests and benchmarks may read it).
-SKIPPED_LOG = (
-    "steps skipped: %d of the first %d param_group steps (a gradient was NaN or inf, or too large for the "
-    "arithmetic); a skipped group keeps its parameters and state. Logged once"
-)
 
 
 class SkipCount:
@@ -138,13 +135,7 @@ class SkipCount:
         return self.logged
 
 
-def _snapshot(value: Any) -> Any:
-    """A group value as an engine is built from it: a number as a float (a one-element tensor may change in place)."""
-    return value if isinstance(value, (bool, str)) else float(value)
-
-
-@contextlib.contextmanager
-def _outside_device_context() -> Iterator[None]:
+def _outside_device_context() -> contextlib.AbstractContextManager[Any]:
     """Leave a ``with torch.device(...)`` block (or ``torch.set_default_device``) for the step.
 
     deepmd's trainer calls ``step()`` inside ``with torch.device(DEVICE)``. That block is a torch
@@ -153,15 +144,11 @@ def _outside_device_context() -> Iterator[None]:
     an H100 in ``dp``). Every tensor the step creates names its device, so the mode only costs
     time; it is popped for the step when it is the only mode (other modes, a user's, stay).
     """
-    if _DeviceContext is None:  # another torch: keep the mode
-        yield
-        return
-    stack = _function_modes()
-    if len(stack) == 1 and isinstance(stack[0], _DeviceContext):
-        with _pop_function_mode():
-            yield
-    else:
-        yield
+    if _DeviceContext is not None:  # else another torch: keep the mode
+        stack = _function_modes()
+        if len(stack) == 1 and isinstance(stack[0], _DeviceContext):
+            return _pop_function_mode()
+    return contextlib.nullcontext()
 
 
 try:  # torch's own names for its mode stack (bound here once: both modules are part of torch's import)
@@ -282,17 +269,12 @@ class HybridMuonOptimizer(Optimizer):
         if isinstance(adam_betas, list):
             defaults["adam_betas"] = tuple(adam_betas)
         validate_group(defaults)  # fail on the argument, before any group; choices lower-cased
-        for key in SETTINGS:
-            setattr(self, key, arguments[key])
-        self._implementation = "engine"  # see IMPLEMENTATIONS
+        for key, default in _PICKLED.items():  # the settings as given, the private attributes' defaults
+            setattr(self, key, arguments.get(key, default))
         self._param_names: dict[int, str] = {}
-        self._names_version = 0  # bumped when names change: the flat engines rebuild
-        self._state_version = 0  # bumped when a state dict is loaded
-        self._adam_limit_logged = False  # _log_adam_limit's one line was written
         # One flat engine per param_group (on FSDP2's shards: distributed.ShardedEngine), rebuilt by _engine's rule.
         self._runners: dict[int, GroupEngine] = {}
         self._checked: dict[int, tuple] = {}  # each group's values as step() last validated them
-        self._steps_taken = 0  # by this object (the log says from which step the Triton kernels run)
         self._skips = SkipCount()
         super().__init__(params, defaults)
         if named_parameters is not None:
@@ -352,20 +334,12 @@ class HybridMuonOptimizer(Optimizer):
 
     def routing_table(self) -> list[dict[str, Any]]:
         """One row per parameter: name, shape, route, matrix view and reason."""
-        rows = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                r = self.route_of(p, group)
-                rows.append(
-                    {
-                        "name": self.param_name(p),
-                        "shape": tuple(p.shape),
-                        "route": r.route,
-                        "view": r.view,
-                        "reason": r.reason,
-                    }
-                )
-        return rows
+        return [
+            {"name": self.param_name(p), "shape": tuple(p.shape), "route": r.route, "view": r.view, "reason": r.reason}
+            for group in self.param_groups
+            for p in group["params"]
+            for r in [self.route_of(p, group)]
+        ]
 
     def state_routing_mismatches(self) -> list[str]:
         """Parameters whose saved state does not fit their current route, one line each.
@@ -483,41 +457,29 @@ class HybridMuonOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with _outside_device_context():
-            self._check_values()  # before any parameter changes
+            # What changed in each group since the last step, validated as the constructor does, before any
+            # parameter changes.
+            for index, group in enumerate(self.param_groups):
+                try:
+                    self._checked[index] = revalidate(group, self._checked.get(index))
+                except ValueError as err:
+                    raise ValueError(f"{err} (in param_groups[{index}] at step(); nothing was changed)") from None
             check_gradients(self.param_groups)
             if not self._adam_limit_logged:
                 self._log_adam_limit()
-            self._step_all()
+            shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
+            # Every group's engine or loop first (each checks its parameters' sizes): a bad group stops the
+            # step before any other group has taken it.
+            runners = [self._engine(index, group) for index, group in enumerate(self.param_groups)]
+            gates = []
+            for group, runner in zip(self.param_groups, runners, strict=True):
+                if runner is None:
+                    gates.append(loop.step_group(self.state, group, self.route_of, shared))
+                else:
+                    gates.append(runner.step(group, shared))
+            self._skips.count([gate for gate in gates if gate is not None])
         self._steps_taken += 1
         return loss
-
-    def _check_values(self) -> None:
-        """Validate what changed in each group since the last step, as the constructor does (:func:`.revalidate`)."""
-        for index, group in enumerate(self.param_groups):
-            try:
-                self._checked[index] = revalidate(group, self._checked.get(index))
-            except ValueError as err:
-                raise ValueError(f"{err} (in param_groups[{index}] at step(); nothing was changed)") from None
-
-    def _step_all(self) -> None:
-        shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
-        # Every group's runner first (building one checks its parameters' sizes): a bad group stops the
-        # step before any other group has taken it.
-        runners = [self._runner(index, group) for index, group in enumerate(self.param_groups)]
-        gates = []
-        for group, runner in zip(self.param_groups, runners, strict=True):
-            if runner is None:
-                gates.append(loop.step_group(self.state, group, self.route_of, shared))
-            else:
-                gates.append(runner.step(group, shared))
-        self._skips.count([gate for gate in gates if gate is not None])
-
-    def _runner(self, index: int, group: dict[str, Any]) -> GroupEngine | None:
-        """What steps group ``index``: its flat engine (FSDP2's shards: ``distributed.ShardedEngine``), or the loop."""
-        engine = self._engine(index, group)
-        if engine is None:
-            check_sizes(self.state, group["params"], self._describe)
-        return engine
 
     def _log_adam_limit(self) -> None:
         """One log line, the first time a step is skipped for an Adam gradient above ``ADAM_GRAD_LIMIT``.
@@ -580,7 +542,8 @@ class HybridMuonOptimizer(Optimizer):
             self._state_version,
             self._implementation,
             *[getattr(self, key) for key in _BUILD_SETTINGS],
-            *[_snapshot(group[key]) for key in _BUILD_GROUP_KEYS],
+            # a number as a float: a one-element tensor may change in place
+            *[group[key] if isinstance(group[key], (bool, str)) else float(group[key]) for key in _BUILD_GROUP_KEYS],
             float(group["weight_decay"]) > 0,  # read each step, but the decay passes exist or not
         )
 
@@ -591,7 +554,8 @@ class HybridMuonOptimizer(Optimizer):
         engine does not support (mixed dtypes or devices). A group of FSDP2's DTensors always takes
         ``distributed.ShardedEngine`` (the loop cannot step shards). Parameters without a
         gradient are left out of the engine, which is rebuilt when that set changes (models
-        with unused parameters have the same set every step).
+        with unused parameters have the same set every step). The parameters' sizes are checked
+        when an engine is built, and at every step of the loop.
         """
         if self._implementation not in IMPLEMENTATIONS:
             raise ValueError(f"Invalid _implementation: {self._implementation!r}; expected one of {IMPLEMENTATIONS}")
@@ -601,11 +565,10 @@ class HybridMuonOptimizer(Optimizer):
             return engine
         sharded = any(distributed.is_dtensor(p) for p in group["params"])
         kind = distributed.ShardedEngine if sharded else GroupEngine
-        if self._implementation == "loop" and not sharded:  # the loop cannot step shards
-            return None
-        if not kind.supports(group):
-            return None
+        use_loop = (self._implementation == "loop" and not sharded) or not kind.supports(group)
         check_sizes(self.state, group["params"], self._describe)
+        if use_loop:
+            return None
         kernels_ready = engine is not None and engine.outdated
         engine = self._runners[index] = kind(
             group,
@@ -625,21 +588,18 @@ class HybridMuonOptimizer(Optimizer):
 
         ``implementation``: ``"engine"`` (the flat engine), ``"fsdp2"`` (FSDP2 DTensor
         parameters: the owner computes, :mod:`deepmd_hybridmuon.distributed`) or ``"loop"``
-        (not stepped yet, the loop chosen, or a group the engine does not support). The FSDP2
-        rows also give ``kernels``: ``"triton"`` when the owners' Newton–Schulz runs the
-        engine's Triton launches, ``"compiling"`` or ``"torch"``, and ``torch_matrices``: (rows,
-        cols) of each shape this rank orthogonalises on the torch path. For the engine also:
-        ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch until the Triton
-        kernels are compiled) and the paths of
-        the Muon matrices: ``program_matrices`` (one Triton program each) and ``torch_matrices``
-        ((rows, cols) of each parameter on the torch path). Both give ``cuda_graph``: steps replay
-        captured CUDA graphs (under FSDP2, graphs with the collectives between them).
+        (not stepped yet, the loop chosen, or a group the engine does not support). The engine
+        and FSDP2 rows also give ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch
+        until the Triton kernels are compiled; under FSDP2, the owners' Newton–Schulz),
+        ``torch_matrices`` ((rows, cols) of each Muon parameter on the torch path; under FSDP2, of
+        the shapes this rank orthogonalises) and ``cuda_graph`` (steps replay captured CUDA graphs;
+        under FSDP2, graphs with the collectives between them); the engine's also
+        ``program_matrices`` (how many Muon matrices run one Triton program each).
         """
         rows = []
         for index, group in enumerate(self.param_groups):
             runner = self._runners.get(index)
-            fresh = runner is not None and runner.signature == self._engine_signature(group)
-            if fresh:
+            if runner is not None and runner.signature == self._engine_signature(group):
                 rows.append(runner.summary())
             elif any(distributed.is_dtensor(p) for p in group["params"]):  # FSDP2, not stepped yet
                 rows.append({"implementation": "fsdp2", "kernels": "torch", "torch_matrices": [], "cuda_graph": False})

@@ -128,8 +128,7 @@ def _check_group(index: int, saved: Any, count: int) -> None:
     where = f"param_groups[{index}]"
     if not isinstance(saved, Mapping):
         raise ValueError(f"Invalid {where}: {type(saved).__name__}; expected a mapping")
-    missing = [k for k in SIGNATURE_KEYS if k not in saved]
-    if missing:
+    if missing := [k for k in SIGNATURE_KEYS if k not in saved]:
         raise ValueError(
             f"Invalid {where}: lacks the HybridMuon keys {missing}; not a HybridMuon state dict "
             f"(expected the keys {list(GROUP_KEYS)})"
@@ -177,34 +176,26 @@ def _check_entry(where: str, entry: Any, p: torch.Tensor) -> None:
             raise ValueError(
                 f"Invalid state {key} of {where}: shape {tuple(value.shape)}; expected the parameter's {tuple(p.shape)}"
             )
-        if key == "magma_score":
-            counts = _matrix_counts(p)
+        if key == "magma_score":  # one score per matrix of p's view, in any muon_mode that has one
+            shape = F.effective_shape(p.shape)
+            counts = {view[0] for mode in F.MUON_MODES if (view := F.matrix_view(shape, mode)) is not None}
             if value.dim() != 1 or value.numel() not in counts:
                 raise ValueError(
                     f"Invalid state {key} of {where}: shape {tuple(value.shape)}; expected one score per matrix "
                     f"of the parameter's view, shape ({' or '.join(map(str, sorted(counts))) or 'none'},)"
                 )
         # A sharded (DTensor) value is checked by its shape only: reading its elements would take collectives.
-        if not is_dtensor(value) and value.numel():
-            _check_range(f"state {key} of {where}", value, *STATE_RANGES[key])
-
-
-def _matrix_counts(p: torch.Tensor) -> set[int]:
-    """How many matrices Muon can see in ``p``: one per matrix of its view in any ``muon_mode`` that has one."""
-    shape = F.effective_shape(p.shape)
-    return {view[0] for mode in F.MUON_MODES if (view := F.matrix_view(shape, mode)) is not None}
-
-
-def _check_range(what: str, value: torch.Tensor, low: float, high: float) -> None:
-    """Raise ``ValueError`` unless every element of ``value`` is finite and in [low, high]."""
-    if not bool(torch.isfinite(value).all()):
-        raise ValueError(f"Invalid {what}: holds NaN or infinity; expected finite values")
-    least, most = float(value.amin()), float(value.amax())
-    if least < low or most > high:
-        raise ValueError(
-            f"Invalid {what}: values in [{least:.3g}, {most:.3g}]; expected values in [{low:.3g}, {high:.3g}], "
-            "the range a run can reach"
-        )
+        if is_dtensor(value) or not value.numel():
+            continue
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"Invalid state {key} of {where}: holds NaN or infinity; expected finite values")
+        low, high = STATE_RANGES[key]
+        least, most = float(value.amin()), float(value.amax())
+        if least < low or most > high:
+            raise ValueError(
+                f"Invalid state {key} of {where}: values in [{least:.3g}, {most:.3g}]; expected values in "
+                f"[{low:.3g}, {high:.3g}], the range a run can reach"
+            )
 
 
 def check_sizes(state: dict, params: Sequence[torch.Tensor], describe: Callable[[torch.Tensor], str]) -> None:
@@ -232,24 +223,6 @@ def check_sizes(state: dict, params: Sequence[torch.Tensor], describe: Callable[
 # ------------------------------------------------------------------------------------------
 
 
-def local_state(state: dict, p: torch.Tensor, key: str) -> torch.Tensor:
-    """The local shard of the parameter-shaped state ``key`` of ``p`` (the tensor itself if not sharded).
-
-    A full tensor under a DTensor parameter (a single-process checkpoint loaded with
-    ``load_state_dict`` under FSDP2) is sharded like the parameter first, and a DTensor laid out
-    otherwise is redistributed like it.
-    """
-    entry = state[p]
-    value = entry[key]
-    if is_dtensor(p) and not is_dtensor(value) and value.shape == p.shape:
-        from torch.distributed.tensor import distribute_tensor
-
-        value = entry[key] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
-    elif (moved := laid_out_like(value, p)) is not value:  # redistributed once, kept
-        value = entry[key] = moved
-    return local_shard(value)
-
-
 def follow_shape(entry: dict[str, Any], keys: tuple[str, ...], p: torch.Tensor) -> None:
     """Give the parameter-shaped state ``keys`` of ``entry`` the shape of ``p`` if it changed in place.
 
@@ -271,8 +244,7 @@ def advance_adam_state(state: dict, p: torch.Tensor, settings: F.GroupSettings) 
     if "exp_avg" not in entry:
         entry["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
         entry["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        entry["beta1_pow"] = 1.0
-        entry["beta2_pow"] = 1.0
+        entry["beta1_pow"] = entry["beta2_pow"] = 1.0
     advance_powers(entry, settings)
     return entry
 
@@ -290,9 +262,8 @@ def muon_state(state: dict, p: torch.Tensor, grad: torch.Tensor, batch: int | No
         entry["momentum_buffer"] = torch.zeros_like(grad)
     if batch is not None:
         score = entry.get("magma_score")
-        device = p.device
-        if score is None or tuple(score.shape) != (batch,) or score.device != device:
-            entry["magma_score"] = torch.full((batch,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=device)
+        if score is None or tuple(score.shape) != (batch,) or score.device != p.device:
+            entry["magma_score"] = torch.full((batch,), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, device=p.device)
     return entry
 
 
@@ -319,14 +290,21 @@ def adopt(
         old = state[p].get(key)
         sharded = reshape and is_dtensor(p)  # ``view`` is the local shard of a DTensor state
         if isinstance(old, torch.Tensor):
-            old = local_state(state, p, key) if sharded else old.full_tensor() if is_dtensor(old) else old
+            if not sharded:
+                old = old.full_tensor() if is_dtensor(old) else old
+            elif not is_dtensor(old) and old.shape == p.shape:
+                # a full tensor under a DTensor parameter (a single-process checkpoint loaded under FSDP2)
+                from torch.distributed.tensor import distribute_tensor
+
+                old = local_shard(distribute_tensor(old, p.device_mesh, p.placements, src_data_rank=None))
+            else:  # a DTensor laid out otherwise is redistributed like p
+                old = local_shard(laid_out_like(old, p))
             if old.shape == view.shape:
                 view.copy_(old)
-        state[p][key] = _like(view, p) if sharded else view
+        if sharded:  # the DTensor laid out like p whose local shard is ``view`` (sharing its storage)
+            from torch.distributed.tensor import DTensor
 
-
-def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The DTensor laid out like the DTensor ``p`` whose local shard is ``local`` (sharing its storage)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            view = DTensor.from_local(
+                view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        state[p][key] = view

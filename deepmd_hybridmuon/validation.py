@@ -36,26 +36,6 @@ def check_removed(keys: Any) -> None:
             raise ValueError(REMOVED_KEYS[key])
 
 
-def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def check_number(key: str, value: Any, *, low: float, high: float | None = None, high_open: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is a finite real in [low, high] (or [low, high))."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
-        number = float(value)
-    elif _is_real(value):
-        number = float(value)
-    else:
-        raise ValueError(f"Invalid {key}: {value!r}; expected a real number")
-    if not math.isfinite(number):
-        raise ValueError(f"Invalid {key}: {value!r}; expected a finite number")
-    if number < low or (high is not None and (number >= high if high_open else number > high)):
-        bracket = ")" if high_open else "]"
-        upper = "inf)" if high is None else f"{high:g}{bracket}"
-        raise ValueError(f"Invalid {key}: {value!r}; expected a value in [{low:g}, {upper}")
-
-
 def check_option(option: Option, value: Any, key: str | None = None) -> None:
     """Raise ``ValueError`` unless ``value`` is allowed for ``option`` (named ``key`` in the message; its name)."""
     key = key or option.name
@@ -73,8 +53,16 @@ def check_option(option: Option, value: Any, key: str | None = None) -> None:
     elif option.types == (bool,):
         if not isinstance(value, bool):
             raise ValueError(f"Invalid {key}: {value!r}; expected true or false")
-    else:
-        check_number(key, value, low=option.low, high=option.high, high_open=option.high_open)
+    else:  # a finite real in [low, high] (or [low, high)); a one-element tensor without grad counts as one
+        scalar = isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad
+        if not scalar and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ValueError(f"Invalid {key}: {value!r}; expected a real number")
+        number, low, high = float(value), option.low, option.high
+        if not math.isfinite(number):
+            raise ValueError(f"Invalid {key}: {value!r}; expected a finite number")
+        if number < low or (high is not None and (number >= high if option.high_open else number > high)):
+            upper = "inf)" if high is None else f"{high:g}{')' if option.high_open else ']'}"
+            raise ValueError(f"Invalid {key}: {value!r}; expected a value in [{low:g}, {upper}")
 
 
 def validate_group(group: dict[str, Any]) -> None:
@@ -85,8 +73,7 @@ def validate_group(group: dict[str, Any]) -> None:
     ``max_lr``, ``swa_lr``, ...). Choices are stored lower-case.
     """
     check_removed(group)
-    unknown = misread_keys(group)
-    if unknown:
+    if unknown := misread_keys(group):
         raise ValueError(f"Unknown param_group keys: {unknown}; expected a subset of {list(GROUP_KEYS)}")
     for key in GROUP_KEYS:
         if key not in group:
@@ -126,18 +113,17 @@ def misread_keys(group: dict[str, Any]) -> list[str]:
     Those are another spelling of an option (:data:`MISNAMED_KEYS`, a different case, or a close
     misspelling) and the hyperparameters of torch's other optimizers (``betas``, ``nesterov``, ...).
     """
-    known = _GROUP_KEY_SET
-    lower = {key.lower() for key in known}
+    lower = {key.lower() for key in GROUP_KEYS}
     return sorted(
         key
         for key in group
-        if key not in known
+        if key not in _GROUP_KEY_SET
         and key != "params"
         and (
             key in MISNAMED_KEYS
             or key.lower() in lower
             or key in _torch_hyperparameters()
-            or difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+            or difflib.get_close_matches(key, _GROUP_KEY_SET, n=1, cutoff=0.85)
         )
     )
 
