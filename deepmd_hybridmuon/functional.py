@@ -1,13 +1,12 @@
 """Pure math of HybridMuon: routing, Newton–Schulz variants, Magma-lite, update rules.
 
-Nothing here keeps state between calls or imports deepmd; every function takes
-tensors and numbers and returns tensors (or mutates the tensors it is handed, when
-its name ends in ``_``). The optimizer in :mod:`deepmd_hybridmuon.optimizer` is a
-thin stateful shell around these functions.
+Nothing here keeps state between calls or imports deepmd; every function takes tensors and numbers and returns
+tensors (or mutates the tensors it is handed, when its name ends in ``_``). The optimizer in
+:mod:`deepmd_hybridmuon.optimizer` is a thin stateful shell around these functions.
 
-Constants carry the name of the work they come from. Numerical choices (dtypes,
-order of operations) follow deepmd-kit 3.2.0's built-in HybridMuon so that both
-optimizers produce the same trajectories up to low-precision rounding.
+Constants carry the name of the work they come from. Numerical choices (dtypes, order of operations) follow
+deepmd-kit 3.2.0's built-in HybridMuon so that both optimizers produce the same trajectories up to low-precision
+rounding.
 """
 
 from __future__ import annotations
@@ -28,24 +27,21 @@ MUON_MODES: tuple[str, ...] = ("2d", "flat", "slice")
 # Newton–Schulz constants
 # ---------------------------------------------------------------------------
 
-#: Quintic Newton–Schulz coefficients (a, b, c) of Keller Jordan's Muon (2024):
-#: they push every singular value of a normalised matrix into roughly [0.7, 1.2]
-#: within a handful of iterations.
+#: Quintic Newton–Schulz coefficients (a, b, c) of Keller Jordan's Muon (2024): they push every singular value of a
+#: normalised matrix into roughly [0.7, 1.2] within a handful of iterations.
 NS_FAST_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 #: Iterations with :data:`NS_FAST_COEFFS` (DeepSeek-V4 technical report, §2.4).
 NS_FAST_STEPS: int = 8
-#: Classical cubic Newton–Schulz step for the polar factor written as a quintic
-#: with c = 0.5: x -> 2x - 1.5x^3 + 0.5x^5 has a fixed point of slope 0 at x = 1,
-#: so it pins the singular values left by the fast stage to 1.
+#: Classical cubic Newton–Schulz step for the polar factor written as a quintic with c = 0.5: x -> 2x - 1.5x^3 + 0.5x^5
+#: has a fixed point of slope 0 at x = 1, so it pins the singular values left by the fast stage to 1.
 NS_POLISH_COEFFS: tuple[float, float, float] = (2.0, -1.5, 0.5)
 #: Iterations with :data:`NS_POLISH_COEFFS` (DeepSeek-V4, §2.4).
 NS_POLISH_STEPS: int = 2
 #: Floor of the Frobenius norm before normalisation, so that X0 = G/||G|| stays finite.
 NS_EPS: float = 1e-7
 
-#: Safety factor of the Gram Newton–Schulz reference (Dao-AILab/gram-newton-schulz):
-#: the Polar Express polynomials are evaluated at x/1.05, which keeps them stable
-#: under half-precision rounding of singular values slightly above 1.
+#: Safety factor of the Gram Newton–Schulz reference (Dao-AILab/gram-newton-schulz): the Polar Express polynomials are
+#: evaluated at x/1.05, which keeps them stable under half-precision rounding of singular values slightly above 1.
 GRAM_SAFETY_FACTOR: float = 1.05
 #: Polar Express coefficients (Amsel, Persson, Musco & Gower, 2025), five steps.
 _POLAR_EXPRESS_RAW: tuple[tuple[float, float, float], ...] = (
@@ -59,34 +55,27 @@ _POLAR_EXPRESS_RAW: tuple[tuple[float, float, float], ...] = (
 POLAR_EXPRESS_COEFFS: tuple[tuple[float, float, float], ...] = tuple(
     (a / GRAM_SAFETY_FACTOR, b / GRAM_SAFETY_FACTOR**3, c / GRAM_SAFETY_FACTOR**5) for a, b, c in _POLAR_EXPRESS_RAW
 )
-#: Iteration indices before which the Gram iteration re-forms X and its Gram
-#: matrix from the accumulated transform, bounding fp16 error growth
-#: (Dao-AILab/gram-newton-schulz uses a restart after the second step).
+#: Iteration indices before which the Gram iteration re-forms X and its Gram matrix from the accumulated transform,
+#: bounding fp16 error growth (Dao-AILab/gram-newton-schulz uses a restart after the second step).
 GRAM_RESTART_ITERATIONS: frozenset[int] = frozenset({2})
 
 # ---------------------------------------------------------------------------
 # Adam and Magma constants
 # ---------------------------------------------------------------------------
 
-#: Adam denominator epsilon of DeepSeek-V4 (§2.4): tiny, so that the second moment
-#: and not the floor sets the step, even for parameters with very small gradients.
+#: Adam denominator epsilon of DeepSeek-V4 (§2.4): tiny, so that the second moment and not the floor sets the step, even
+#: for parameters with very small gradients.
 ADAM_EPS: float = 1e-20
-#: Largest gradient magnitude (exclusive) an Adam-routed parameter can take a step with: the
-#: second moment is float32 (the built-in layout) and holds ~g^2 divided by the bias correction,
-#: so |g| must stay below sqrt(float32 max) = 2^64; 2^63 leaves a factor 4 for the correction's
-#: rounding. Nothing can make Adam's step scale-invariant above it, so a step with a larger Adam
-#: gradient is skipped like a non-finite one (:func:`finite_gate`).
+#: Largest gradient magnitude (exclusive) an Adam-routed parameter can take a step with: the second moment is float32
+#: (the built-in layout) and holds ~g^2 divided by the bias correction, so |g| must stay below sqrt(float32 max) = 2^64;
+#: 2^63 leaves a factor 4 for the correction's rounding. Nothing can make Adam's step scale-invariant above it, so a
+#: step with a larger Adam gradient is skipped like a non-finite one (:func:`finite_gate`).
 ADAM_GRAD_LIMIT: float = 2.0**63
-#: ``g * this`` overflows float32 exactly when ``|g| >= ADAM_GRAD_LIMIT`` (2^63 * 2^65 = 2^128).
-_ADAM_LIMIT_PROBE: float = 2.0**65
-#: Largest gradient magnitude (exclusive) of any parameter, whatever its dtype: half float32's
-#: largest number. The momentum's lerp subtracts two numbers of that size, and the flat engine
-#: orthogonalises float64 matrices in float32; either would overflow above it. A larger element
-#: skips the step like a non-finite one (:func:`finite_gate`); ``2 g`` in float32 overflows
-#: exactly from this limit on.
+#: Largest gradient magnitude (exclusive) of any parameter, whatever its dtype: half float32's largest number. The
+#: momentum's lerp subtracts two numbers of that size, and the flat engine orthogonalises float64 matrices in float32;
+#: either would overflow above it. A larger element skips the step like a non-finite one (:func:`finite_gate`); ``2 g``
+#: in float32 overflows exactly from this limit on.
 GRAD_LIMIT: float = 2.0**127
-#: ``g * this`` overflows float32 exactly when ``|g| >= GRAD_LIMIT``.
-_GRAD_LIMIT_PROBE: float = 2.0
 
 #: Magma (arXiv:2602.15322) temperature of the sigmoid applied to cos(m, g).
 MAGMA_TAU: float = 2.0
@@ -117,8 +106,7 @@ class ParamRoute:
     route
         ``"muon"``, ``"adam"`` (no weight decay) or ``"adamw"`` (decoupled decay).
     view
-        ``(batch, rows, cols)``: the matrices Muon orthogonalises, for ``"muon"``;
-        ``None`` otherwise.
+        ``(batch, rows, cols)``: the matrices Muon orthogonalises, for ``"muon"``; ``None`` otherwise.
     reason
         A short human-readable reason, for logs and ``dp-hybridmuon check``.
     """
@@ -159,8 +147,7 @@ def name_route(name: str | None) -> Route:
 
 def effective_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     """Drop the size-1 dimensions of ``shape``; a shape of only ones becomes ``(1,)``."""
-    kept = tuple(int(d) for d in shape if int(d) != 1)
-    return kept if kept else (1,)
+    return tuple(int(d) for d in shape if int(d) != 1) or (1,)
 
 
 def matrix_view(eff_shape: tuple[int, ...], muon_mode: str) -> tuple[int, int, int] | None:
@@ -240,10 +227,7 @@ class GramSchedule:
         transform before it (X <- Q X, R <- X X^T), the transform then starting afresh.
         The first iteration never restarts (there is nothing to re-form yet).
 
-    The flags every implementation needs are derived here, never written again:
-    :attr:`fresh_q` (where the transform starts afresh), :attr:`updates_r` (after which
-    iterations R is carried forward) and :attr:`segments` (the runs of iterations between
-    restarts).
+    Every implementation reads the derived flags (:attr:`fresh_q`, :attr:`updates_r`, :attr:`segments`) from here.
     """
 
     coeffs: tuple[tuple[float, float, float], ...]
@@ -308,9 +292,8 @@ def peak(x: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: boo
 
     ``max(-min, max)``: two plain reductions, several times faster on the CPU than the infinity norm.
     """
-    if dim is None:
-        return torch.maximum(-x.amin(), x.amax())
-    return torch.maximum(-x.amin(dim=dim, keepdim=keepdim), x.amax(dim=dim, keepdim=keepdim))
+    kwargs = {} if dim is None else {"dim": dim, "keepdim": keepdim}
+    return torch.maximum(-x.amin(**kwargs), x.amax(**kwargs))
 
 
 def pow2_downscale(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
@@ -331,11 +314,10 @@ def pow2_downscale(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
 def newton_schulz(G: torch.Tensor, schedule: tuple[tuple[float, float, float], ...] | None = None) -> torch.Tensor:
     """Approximate polar factor of each matrix of ``G`` (shape ``(batch, m, n)``), in bfloat16.
 
-    X0 = G / ||G||_F (per matrix, wide orientation), then X <- a X + (b A + c A^2) X with
-    A = X X^T for every row (a, b, c) of ``schedule`` (default :func:`standard_schedule`).
-    Zero rows or columns stay zero, so zero padding commutes with this function. Each matrix is
-    first divided by a power of two (:func:`pow2_downscale`) so that its norm cannot overflow:
-    exact, and the identity for matrices whose entries are all below 2 in magnitude.
+    X0 = G / ||G||_F (per matrix, wide orientation), then X <- a X + (b A + c A^2) X with A = X X^T for every row
+    (a, b, c) of ``schedule`` (default :func:`standard_schedule`). Zero rows or columns stay zero, so zero padding
+    commutes with this function. Each matrix is first divided by a power of two (:func:`pow2_downscale`) so that its
+    norm cannot overflow: exact, and the identity for matrices whose entries are all below 2 in magnitude.
     """
     X = (G * pow2_downscale(G, (-2, -1))).to(torch.bfloat16)
     tall = X.size(-2) > X.size(-1)
@@ -352,15 +334,13 @@ def newton_schulz(G: torch.Tensor, schedule: tuple[tuple[float, float, float], .
 def gram_newton_schulz(G: torch.Tensor, schedule: GramSchedule | None = None) -> torch.Tensor:
     """Polar factor of each matrix of ``G`` (``(batch, m, n)``) by Gram Newton–Schulz.
 
-    The iteration X <- p_k(X X^T) X with p_k(R) = a_k I + b_k R + c_k R^2 is carried out on
-    the small Gram matrix R = X X^T (wide orientation, m <= n): with Z = b R + c R^2,
-    the transform Q accumulates Q <- Q (Z + a I) and R <- (Z + a I) R (Z + a I), so X itself is
-    touched only when the iteration restarts and at the end, X_out = Q X. ``schedule``
-    (default :func:`gram_schedule`) gives the coefficients and the restarts. Normalisation
-    in float32, iteration in float16. Returns the dtype of ``G``.
+    The iteration X <- p_k(X X^T) X with p_k(R) = a_k I + b_k R + c_k R^2 is carried out on the small Gram matrix
+    R = X X^T (wide orientation, m <= n): with Z = b R + c R^2, the transform Q accumulates Q <- Q (Z + a I) and
+    R <- (Z + a I) R (Z + a I), so X itself is touched only when the iteration restarts and at the end, X_out = Q X.
+    ``schedule`` (default :func:`gram_schedule`) gives the coefficients and the restarts. Normalisation in float32,
+    iteration in float16. Returns the dtype of ``G``.
     """
     sched = gram_schedule() if schedule is None else schedule
-    out_dtype = G.dtype
     down = pow2_downscale(G, (-2, -1))  # see newton_schulz
     X = (G * down).to(torch.float32)
     tall = X.size(-2) > X.size(-1)
@@ -384,8 +364,7 @@ def gram_newton_schulz(G: torch.Tensor, schedule: GramSchedule | None = None) ->
             RP = torch.baddbmm(R, R, Z, beta=a, alpha=1.0)  # R (a I + Z)
             R = torch.baddbmm(RP, Z, RP, beta=a, alpha=1.0)  # (a I + Z) R (a I + Z)
     X = torch.bmm(Q, X)
-    X = X.mT if tall else X
-    return X.to(out_dtype)
+    return (X.mT if tall else X).to(G.dtype)
 
 
 #: Largest smaller side of a matrix that one Triton program orthogonalises (the flat engine's kernel, where Triton
@@ -449,9 +428,8 @@ def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
 class GroupSettings:
     """The numbers of one (validated) param_group that the update rules read, read once per step.
 
-    Every implementation (the loop, the engine, the FSDP2 step) takes its hyperparameters
-    from here, so the derived rules (Adam's rate, AdamW's decay factor, the Muon scale)
-    are written once.
+    Every implementation (the loop, the engine, the FSDP2 step) takes its hyperparameters from here, so the derived
+    rules (Adam's rate, AdamW's decay factor, the Muon scale) are written once.
     """
 
     lr: float
@@ -577,8 +555,7 @@ def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor
         sums = tuple(x.to(torch.float32) for x in sums)
         if wide or bool(torch.stack(sums).isfinite().all()):
             return (*sums, torch.full_like(sums[0], MAGMA_EPS))
-    down_m = pow2_downscale(momentum, -1)
-    down_g = pow2_downscale(grad, -1)
+    down_m, down_g = pow2_downscale(momentum, -1), pow2_downscale(grad, -1)
     m = (momentum * down_m).to(torch.float32)
     g = (grad * down_g).to(torch.float32)
     eps = (MAGMA_EPS * down_m.to(torch.float64) * down_g.to(torch.float64)).to(torch.float32).squeeze(-1)
@@ -615,10 +592,7 @@ def post_orthogonalize(ortho: torch.Tensor, factor: torch.Tensor, out: torch.Ten
 
 
 def adam_bias_corrected(lr: float, beta1_pow: float, beta2_pow: float) -> tuple[float, float]:
-    """Adam's bias corrections at step t: the -step size and the second moment's divisor.
-
-    ``beta*_pow`` are beta^t; returns ``(-lr / (1 - beta1^t), 1 - beta2^t)``.
-    """
+    """Adam's bias corrections at step t (``beta*_pow`` = beta^t): ``(-lr / (1 - beta1^t), 1 - beta2^t)``."""
     return -lr / (1.0 - beta1_pow), 1.0 - beta2_pow
 
 
@@ -638,10 +612,9 @@ def adam_update_(
 ) -> None:
     """One Adam(W) step on ``param`` with float32 moments.
 
-    ``beta*_pow`` are beta^t for the current step t (already multiplied in).
-    ``decay_factor`` (``1 - lr * weight_decay``) multiplies the parameter first
-    (decoupled decay); ``None`` for no decay. ``ok`` (see :func:`finite_gate`): a 0-dim
-    float tensor, 1 to step, 0 to leave parameter and moments unchanged.
+    ``beta*_pow`` are beta^t for the current step t (already multiplied in). ``decay_factor``
+    (``1 - lr * weight_decay``) multiplies the parameter first (decoupled decay); ``None`` for no decay. ``ok`` (see
+    :func:`finite_gate`): a 0-dim float tensor, 1 to step, 0 to leave parameter and moments unchanged.
     """
     neg_step, bc2 = adam_bias_corrected(lr, beta1_pow, beta2_pow)
     if decay_factor is not None:
@@ -674,10 +647,9 @@ def adam_increment_(
 # Non-finite gradients
 # ---------------------------------------------------------------------------
 #
-# A step whose gradients contain a NaN or an infinity is skipped, on the device and
-# without a host synchronisation: ``ok`` is 1.0 or 0.0, every state blend weight and
-# every parameter increment is multiplied by it, and gradients are zeroed where they are
-# not finite so that 0 * NaN never happens. Parameters, momenta, Adam moments and Magma
+# A step whose gradients contain a NaN or an infinity is skipped, on the device and without a host synchronisation:
+# ``ok`` is 1.0 or 0.0, every state blend weight and every parameter increment is multiplied by it, and gradients
+# are zeroed where they are not finite so that 0 * NaN never happens. Parameters, momenta, Adam moments and Magma
 # scores then keep their values. (deepmd-kit's built-in writes NaN into the parameters.)
 
 
@@ -700,9 +672,7 @@ def finite_gate(grads: list[torch.Tensor], adam_grads: list[torch.Tensor] = ()) 
 
 def sanitize(grad: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
     """``grad`` when the step is taken, zeros otherwise (so NaN never meets a zero weight); ``ok`` None: ``grad``."""
-    if ok is None:
-        return grad
-    return torch.where(ok > 0, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    return grad if ok is None else torch.where(ok > 0, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
 
 
 def gate_factor(factor: float | torch.Tensor, ok: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | float:

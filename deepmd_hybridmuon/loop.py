@@ -92,9 +92,8 @@ class _Phases:
         return self.gates[device]
 
     def gate(self) -> torch.Tensor:
-        if self.shared is not None:
-            ok = self.shared
-        else:  # Adam gradients also below ADAM_GRAD_LIMIT (functional.finite_gate)
+        ok = self.shared
+        if ok is None:  # Adam gradients also below ADAM_GRAD_LIMIT (functional.finite_gate)
             ok = F.finite_gate([m.grad for m in self.matrices], [g for _, g, _ in self.adam_params])
         self.gates = {ok.device: ok}
         return ok
