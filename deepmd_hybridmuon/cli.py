@@ -182,7 +182,7 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
 
     from .plugin import _plugin_registry
 
-    section, training = jdata.get("optimizer", {}), jdata["training"]
+    section, training = jdata.get("optimizer", {}), jdata.get("training", {})
     error, messages = None, []
     for legacy, key in LEGACY_OPTIMIZER_KEYS.items():
         if legacy not in training or key not in section or training[legacy] == section[key]:
@@ -650,11 +650,13 @@ def optimizer_error(err: Any, input_file: str | None) -> str | None:
     if err.path.strip("/") != "optimizer":
         return None
     jdata, written = {}, set()
-    with contextlib.suppress(CheckError):  # dp train has read it: it is an input file
-        raw = _load(input_file) if input_file else {}
-        written = set(raw.get("training", {}))
-        jdata = update_deepmd_input(raw, warning=False)
-    return f"{input_file}: {_with_value(str(err), err.path, jdata, written)}"
+    if input_file:
+        with contextlib.suppress(CheckError):  # dp train has read it: it is an input file
+            raw = _load(input_file)
+            written = set(raw.get("training", {}))
+            jdata = update_deepmd_input(raw, warning=False)
+    message = _with_value(str(err), err.path, jdata, written)
+    return f"{input_file}: {message}" if input_file else message
 
 
 def run_check(args: argparse.Namespace) -> int:

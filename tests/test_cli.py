@@ -295,6 +295,8 @@ def test_zero_stage_out_of_range_exits_1(tmp_path, capsys):
         ("a: [", "bad.yaml", "cannot be parsed as YAML"),
         ('{"model": {"type_map": ["A"]}, "training": 3}', "input.json", "`training` must be an object, got int 3"),
         ("{}", "input.txt", "unknown file type '.txt': expected .json, .yaml or .yml"),
+        # a deepmd-kit v0 input (use_smooth) without sections: deepmd's conversion fails, named as such
+        ('{"use_smooth": 1}', "input.json", "deepmd-kit's conversion of older input layouts failed (KeyError"),
     ],
 )
 def test_bad_files_get_a_message_naming_the_file_once(tmp_path, capsys, text, name, expected):
@@ -795,3 +797,16 @@ def test_the_check_counts_each_newton_schulz_path_as_the_engine_lays_it_out(tmp_
     assert int(total) == sum(bs for bs, _, _ in views) == 10  # the 240-wide fitting layers among them
     assert int(triton) == sum(len(f.meta) for f in fused) == 4, line
     assert sum(b.batch for b in buckets) == 6 and all(not F.on_triton(b.rows) for b in buckets)
+
+
+def test_optimizer_error_words_dargs_errors_with_or_without_the_input_file(tmp_path):
+    """dp train's dargs error about the optimizer section, as dp check words it; other sections are not ours."""
+    from dargs.dargs import ArgumentError
+
+    from deepmd_hybridmuon.cli import optimizer_error
+
+    err = ArgumentError("optimizer", "key `momentum` gets wrong value type, requires <float> but gets <str>")
+    path = _write(tmp_path, _example())
+    assert optimizer_error(err, path).startswith(f"{path}: [at location `optimizer`] key `momentum`")
+    assert optimizer_error(err, None).startswith("[at location `optimizer`] key `momentum`")  # no file: no prefix
+    assert optimizer_error(ArgumentError("training", "key `numb_steps` gets wrong value type"), path) is None
