@@ -256,8 +256,11 @@ class ShardedEngine(GroupEngine):
         # The owners' Triton launches, once compiled; until then the torch path, and the engine is rebuilt then
         # (outdated), as the one-process engine is.
         settings = F.GroupSettings.of(group)
-        self.kernels, self.compiling = local.owned_kernels(ex.groups, device, self.layout.dtype, settings, flash_muon)
-        return ShardedStep(self.layout, inputs, shared_gate, ex, self.kernels, mesh, dim)
+        scales = local.OwnedScales(ex.groups, settings, device)
+        self.kernels, self.compiling = local.owned_kernels(
+            ex.groups, scales.first, device, self.layout.dtype, settings.use_gram, flash_muon
+        )
+        return ShardedStep(self.layout, inputs, shared_gate, ex, scales, self.kernels, mesh, dim)
 
     def summary(self) -> dict[str, Any]:
         """The ``execution_table`` row: the owners' Newton–Schulz on this rank."""
@@ -274,12 +277,13 @@ class ShardedStep(BatchedStep):
         inputs: StepInputs,
         shared_gate: bool,
         exchange: _Exchange,
+        scales: local.OwnedScales,
         kernels: local.OwnedKernels | None,
         mesh: Any,
         shard_dim: int,
     ) -> None:
         super().__init__(layout, inputs, shared_gate)
-        self.exchange, self.owned_kernels, self.mesh = exchange, kernels, mesh
+        self.exchange, self.scales, self.owned_kernels, self.mesh = exchange, scales, kernels, mesh
         self.pg = mesh.get_group(shard_dim)
         self.sums: torch.Tensor | None = None
 
@@ -322,5 +326,7 @@ class ShardedStep(BatchedStep):
         wire = local.wire_dtype(update.dtype)
         owned = to_owners(ex, update.to(wire), self.pg).to(update.dtype)
         delta = torch.empty_like(owned, dtype=wire)
-        local.orthogonalize_owned(self.settings, owned, ex.groups, damp, neg_lr, delta, self.owned_kernels)
+        factor = self.scales.factors(damp, neg_lr)  # every owned matrix's, in one product
+        use_gram = self.settings.use_gram
+        local.orthogonalize_owned(use_gram, owned, ex.groups, factor, self.scales.first, delta, self.owned_kernels)
         L.muon_delta.copy_(from_owners(ex, delta, self.pg))

@@ -72,6 +72,25 @@ def magma_damp(scores: torch.Tensor, sums: torch.Tensor, ok: torch.Tensor | None
     return F.magma_scale_(scores, raw, ok)
 
 
+class OwnedScales:
+    """Each owned matrix's Muon scale and Magma index, in owned-buffer order; made once per engine.
+
+    :meth:`factors` gives every owned matrix's factor in one product (:func:`functional.muon_factor`), read by
+    the owners' Triton launches and, group by group, by their torch path.
+    """
+
+    def __init__(self, groups: list[_ShapeGroup], settings: F.GroupSettings, device: torch.device) -> None:
+        self.first = [sum(g.count for g in groups[:i]) for i in range(len(groups))]  # each group's first matrix
+        none = torch.zeros(0, dtype=torch.float32, device=device)  # a rank may own no matrix
+        scales = [none.new_full((g.count,), settings.scale(g.rows, g.cols)) for g in groups]
+        self.scale = torch.cat([none, *scales])  # filled on the device: no copy from the host
+        self.ids = torch.cat([none.long(), *(g.matrix_ids for g in groups)])
+
+    def factors(self, damp: torch.Tensor | None, neg_lr: torch.Tensor) -> torch.Tensor:
+        """Muon scale x Magma multiplier (``damp``, per plan matrix, or ``None``) x -lr, per owned matrix."""
+        return F.muon_factor(self.scale, None if damp is None else damp[self.ids], neg_lr)
+
+
 class OwnedKernels:
     """The engine's Triton launches for a rank's owned matrices, on the engine's paths.
 
@@ -84,31 +103,28 @@ class OwnedKernels:
     Built by :func:`owned_kernels` once the launches are compiled.
     """
 
-    def __init__(
-        self, K: Any, groups: list[_ShapeGroup], fused: list[Any], settings: F.GroupSettings, device: torch.device
-    ) -> None:
+    def __init__(self, K: Any, first: list[int], fused: list[Any], device: torch.device) -> None:
         self.K, self.fused = K, fused
         for f in fused:
             build_fused(K, f, device)
-        # A group (one shape) lies on one path: it is covered when its first block is.
+        # A group (one shape) lies on one path: it is covered when its first block (matrix) is.
         taken = {row[int(K.MetaColumn.BLOCK)] for f in fused for row in f.meta}
-        first = [sum(g.count for g in groups[:i]) for i in range(len(groups))]
         self.covered = {i for i, block in enumerate(first) if block in taken}  # indices of the groups done here
-        self.ids = torch.cat([g.matrix_ids for g in groups])
-        self.scale = torch.cat(  # filled on the device: no copy from the host
-            [torch.full((g.count,), settings.scale(g.rows, g.cols), dtype=torch.float32, device=device) for g in groups]
-        )
 
-    def run(self, owned: torch.Tensor, damp: torch.Tensor | None, neg_lr: torch.Tensor, out: torch.Tensor) -> set[int]:
-        """Orthogonalise the matrices the launches take, into ``out``; the indices of the groups done."""
-        factor = F.muon_factor(self.scale, None if damp is None else damp[self.ids], neg_lr)
+    def run(self, owned: torch.Tensor, factor: torch.Tensor, out: torch.Tensor) -> set[int]:
+        """The matrices the launches take, times ``factor`` (per owned matrix), into ``out``; the groups done."""
         for f in self.fused:
             run_fused(self.K, f, owned, out, factor)
         return self.covered
 
 
 def owned_kernels(
-    groups: list[_ShapeGroup], device: torch.device, dtype: torch.dtype, settings: F.GroupSettings, flash_muon: bool
+    groups: list[_ShapeGroup],
+    first: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    use_gram: bool,
+    flash_muon: bool,
 ) -> tuple[OwnedKernels | None, Any]:
     """The owners' launches if compiled, and the compilation pending if not (``engine.compilation.request``).
 
@@ -118,11 +134,11 @@ def owned_kernels(
     if not (flash_muon and groups and wire_dtype(dtype) == dtype and compilation.triton_runs_on(device)):
         return None, None
     K = compilation.kernels()
-    fused, _ = assign([(g.count, g.rows, g.cols) for g in groups], K, settings.use_gram, device)
+    fused, _ = assign([(g.count, g.rows, g.cols) for g in groups], K, use_gram, device)
     ready = compilation.request(device, dtype, [(f.use_gram, f.rows, f.cols) for f in fused], False) if fused else None
     if ready is None or not ready.is_set():
         return None, ready
-    return OwnedKernels(K, groups, fused, settings, device), None
+    return OwnedKernels(K, first, fused, device), None
 
 
 def kernels_summary(kernels: OwnedKernels | None, groups: list[_ShapeGroup], compiling: Any) -> dict[str, Any]:
@@ -136,29 +152,28 @@ def kernels_summary(kernels: OwnedKernels | None, groups: list[_ShapeGroup], com
 
 
 def orthogonalize_owned(
-    settings: F.GroupSettings,
+    use_gram: bool,
     owned: torch.Tensor,
     groups: list[_ShapeGroup],
-    damp: torch.Tensor | None,
-    neg_lr: torch.Tensor,
+    factor: torch.Tensor,
+    first: list[int],
     out: torch.Tensor,
     kernels: OwnedKernels | None = None,
 ) -> None:
-    """The owned matrices' updates (``functional.post_orthogonalize``, ``neg_lr`` gated) into ``out``.
+    """The owned matrices' updates (``functional.post_orthogonalize`` by ``factor``, per owned matrix) into ``out``.
 
     ``owned`` and ``out`` are owned buffers (:func:`_owned`'s layout); ``out`` may be of a wider
-    dtype. The matrices ``kernels`` takes go through the Triton launches (:class:`OwnedKernels`);
-    the others are stacked by shape (``groups``) and orthogonalised by :func:`functional.orthogonalize`.
+    dtype; ``first``: each group's first matrix. The matrices ``kernels`` takes go through the Triton
+    launches (:class:`OwnedKernels`); the others are stacked by shape (``groups``) and orthogonalised by
+    :func:`functional.orthogonalize`.
     """
-    done = kernels.run(owned, damp, neg_lr, out) if kernels is not None else set()
+    done = kernels.run(owned, factor, out) if kernels is not None else set()
     for i, sg in enumerate(groups):
         if i in done:
             continue
         n, shape = sg.count * sg.rows * sg.cols, (sg.count, sg.rows, sg.cols)
-        orth = F.orthogonalize(owned[sg.start : sg.start + n].view(shape), settings.use_gram)
-        scale = torch.full((sg.count,), settings.scale(sg.rows, sg.cols), dtype=torch.float32, device=out.device)
-        factor = F.muon_factor(scale, None if damp is None else damp[sg.matrix_ids], neg_lr)
-        F.post_orthogonalize(orth, factor, out[sg.start : sg.start + n].view(shape))
+        orth = F.orthogonalize(owned[sg.start : sg.start + n].view(shape), use_gram)
+        F.post_orthogonalize(orth, factor[first[i] : first[i] + sg.count], out[sg.start : sg.start + n].view(shape))
 
 
 def wire_dtype(work: torch.dtype) -> torch.dtype:
