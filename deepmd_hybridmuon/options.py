@@ -159,7 +159,7 @@ OPTIONS: tuple[Option, ...] = (
         True,
         "Triton kernels on CUDA: one program per matrix orthogonalises every Muon matrix whose smaller side "
         "is at most 128 (in registers, or streamed for long matrices; larger ones take batched cuBLAS), in a "
-        "few launches per step; two more compute Magma for all blocks. "
+        "few launches per step. "
         "They compile in the background on first use (the torch path runs meanwhile) and are cached by "
         "Triton. Off, or without Triton or a GPU: batched torch kernels for every matrix. (In deepmd-kit "
         "3.2.0 the flag selects a Triton kernel for matrices with a side of 1024 or more.)",

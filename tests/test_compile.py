@@ -54,7 +54,7 @@ def test_interpreter_exits_cleanly_while_a_compile_is_in_flight(tmp_path, worker
         K.compile.registry = K.KernelRegistry(
             worker=[sys.executable, "-c", {worker!r}, {str(marker)!r}], ledger=Path({str(tmp_path / "ledger")!r})
         )
-        pending = K.prepare(torch.device("cuda", 0), torch.float32, {PATHS!r}, magma=True)
+        pending = K.prepare(torch.device("cuda", 0), torch.float32, {PATHS!r})
         deadline = time.monotonic() + 60
         while not __import__("os").path.exists({str(marker)!r}) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -88,16 +88,16 @@ def test_the_real_worker_reports_each_variant_and_the_engine_keeps_the_torch_pat
         pytest.skip("on a GPU the variants compile; tests/test_kernels.py covers that path")
     monkeypatch.setattr(K.compile, "registry", K.KernelRegistry())
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
-        pending = K.prepare(GPU, torch.float32, PATHS, magma=True)
+        pending = K.prepare(GPU, torch.float32, PATHS)
         assert pending is not None and not pending.is_set()  # a child process compiles
         assert pending.wait(300), "the compile process did not finish"
     failures = [r.getMessage() for r in caplog.records if "did not compile" in r.getMessage()]
-    # one line per variant: standard program (32 x 48), Gram program streamed (64 x 512), Magma
-    assert len(failures) == 3, failures
+    # one line per variant: standard program (32 x 48), Gram program streamed (64 x 512)
+    assert len(failures) == 2, failures
     assert all("torch kernels instead" in line for line in failures)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
-        assert K.prepare(GPU, torch.float32, PATHS, magma=True) is None
+        assert K.prepare(GPU, torch.float32, PATHS) is None
     assert not caplog.text
 
 
@@ -106,10 +106,10 @@ def test_a_compile_process_that_dies_fails_its_variants(monkeypatch, caplog, tmp
     dies = [sys.executable, "-c", "import sys; sys.exit(3)"]
     monkeypatch.setattr(K.compile, "registry", K.KernelRegistry(worker=dies, ledger=tmp_path))
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
-        pending = K.prepare(GPU, torch.float32, PATHS[:1], magma=False)
+        pending = K.prepare(GPU, torch.float32, PATHS[:1])
         assert pending is not None and pending.wait(60)
     assert "compile process exited with status 3" in caplog.text
-    assert K.prepare(GPU, torch.float32, PATHS[:1], magma=False) is None  # the torch path from now on
+    assert K.prepare(GPU, torch.float32, PATHS[:1]) is None  # the torch path from now on
 
 
 def test_variants_in_flight_are_not_compiled_twice(monkeypatch, tmp_path):
@@ -117,14 +117,14 @@ def test_variants_in_flight_are_not_compiled_twice(monkeypatch, tmp_path):
     registry = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=tmp_path / "ledger")
     monkeypatch.setattr(K.compile, "registry", registry)
     try:
-        first = K.prepare(GPU, torch.float32, PATHS, magma=True)
+        first = K.prepare(GPU, torch.float32, PATHS)
         started = len(registry.workers)
-        second = K.prepare(GPU, torch.float32, PATHS, magma=True)  # another param_group, same variants
+        second = K.prepare(GPU, torch.float32, PATHS)  # another param_group, same variants
         assert first is not None and second is not None
         assert len(registry.workers) == started
-        # three variants (standard program, streamed Gram program, Magma), each compiled by one process
+        # two variants (standard program, streamed Gram program), each compiled by one process
         compiling = [repr(key) for w in registry.workers for key in w.keys]
-        assert len(compiling) == len(set(compiling)) == 3
+        assert len(compiling) == len(set(compiling)) == 2
         assert not K.wait_ready(0)
     finally:
         registry.close()
@@ -146,25 +146,25 @@ def test_compiled_variants_load_one_per_step_and_a_later_run_needs_no_compile_pr
     # First run: the variants compile in a child process, then load here, one per poll (a
     # step asks once or twice), so that no step holds the training loop for all of them.
     first = K.KernelRegistry(worker=[sys.executable, "-c", REPORTS_OK], ledger=ledger)
-    pending = first.prepare(GPU, torch.float32, PATHS, magma=True)
+    pending = first.prepare(GPU, torch.float32, PATHS)
     assert pending is not None and not pending.is_set() and first.workers
     for worker in first.workers:
         worker.process.wait(60)
     first.setup.join()  # Triton's set-up: no variant loads before it is done (off this thread)
-    seen = [(pending.is_set(), len(loaded)) for _ in range(3)]  # standard program, streamed Gram program, Magma
-    assert seen == [(False, 1), (False, 2), (True, 3)]
+    seen = [(pending.is_set(), len(loaded)) for _ in range(2)]  # standard program, streamed Gram program
+    assert seen == [(False, 1), (True, 2)]
     # A later run with the same cache: no compile process (its stand-in would leave the
     # marker file); the variants load the same way, one per poll, from the first step on.
     marker = tmp_path / "started"
     later = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=ledger)
-    pending = later.prepare(GPU, torch.float32, PATHS, magma=True)
-    assert pending is not None and len(loaded) == 3
+    pending = later.prepare(GPU, torch.float32, PATHS)
+    assert pending is not None and len(loaded) == 2
     assert pending.wait(0)
     assert not later.workers and not marker.exists()
-    assert sorted(map(repr, loaded[3:])) == sorted(map(repr, loaded[:3]))
+    assert sorted(map(repr, loaded[2:])) == sorted(map(repr, loaded[:2]))
     # A variant the cache has never held still goes to a compile process, and only that one.
     try:
-        pending = later.prepare(GPU, torch.float32, [*PATHS, (True, 32, 4096)], magma=True)
+        pending = later.prepare(GPU, torch.float32, [*PATHS, (True, 32, 4096)])
         assert pending is not None and not pending.is_set()
         assert [len(w.keys) for w in later.workers] == [1]
     finally:
@@ -172,8 +172,8 @@ def test_compiled_variants_load_one_per_step_and_a_later_run_needs_no_compile_pr
     # Another cache (an emptied one, another TRITON_CACHE_DIR): a compile process again.
     other = K.KernelRegistry(worker=[sys.executable, "-c", SLEEPER, str(marker)], ledger=tmp_path / "other")
     try:
-        assert not other.prepare(GPU, torch.float32, PATHS, magma=True).is_set()
-        assert sum(len(w.keys) for w in other.workers) == 3
+        assert not other.prepare(GPU, torch.float32, PATHS).is_set()
+        assert sum(len(w.keys) for w in other.workers) == 2
     finally:
         other.close()
 
@@ -192,7 +192,6 @@ def test_the_ledger_lives_in_tritons_cache_folder(monkeypatch, tmp_path):
 
 # One variant key of every kind the registry asks for (prepare()'s keys, dtype last).
 KINDS = [
-    ("magma", 0, torch.float32),
     (*K.compile._launch_key(False, 32, 48), 0, torch.float32),  # one program per matrix
     (*K.compile._launch_key(True, 64, 4096), 0, torch.float32),  # the Gram iteration, streamed
 ]
@@ -230,7 +229,7 @@ def test_every_kernel_is_launched_through_its_declaration_and_specialises_on_typ
 
 def test_the_ledger_key_changes_with_everything_that_fixes_a_binary(monkeypatch):
     ledger = K.compile.Ledger(root=None)
-    base = KINDS[2]
+    base = KINDS[1]
     names = {ledger.name(key, (9, 0)) for key in KINDS}
     assert len(names) == len(KINDS)
     assert ledger.name(base, (9, 0)) == ledger.name(base, (9, 0))  # deterministic

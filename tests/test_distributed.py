@@ -1205,21 +1205,6 @@ def test_plugin_on_two_ranks(run: _Run) -> None:
         assert flags == {0: (HybridMuonOptimizer, False, None), 1: (HybridMuonOptimizer, True, True)}
 
 
-def test_magma_segment_sums_span_several_blocks() -> None:
-    """Magma's per-matrix sums over segments longer than one block (two passes), empty ones, any order."""
-    from deepmd_hybridmuon.distributed.local import SEGMENT_BLOCK, Segments
-
-    lengths = [2 * SEGMENT_BLOCK + 5, 0, 7, SEGMENT_BLOCK, 3 * SEGMENT_BLOCK]
-    matrix = [2, 4, 0, 3, 1]  # segment i holds (part of) matrix matrix[i]; matrix 4 is empty
-    values = torch.randn(sum(lengths), 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    expected = torch.zeros(5, 3, dtype=torch.float64)
-    for chunk, m in zip(values.split(lengths), matrix, strict=True):
-        expected[m] = chunk.sum(0)
-    got = Segments(lengths, matrix, 5, torch.device("cpu")).sums(values)
-    # float64, sums of a few thousand O(1) values in another order: agree to ~1e-13
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
-
-
 #: The GPU scripts' model, optimizer and step (no braces: FSDP_ON_GPU is a ``str.format`` template).
 #: ``step`` gives every model (sharded or not, on every rank) the same seeded gradients: no
 #: feedback of the parameters; inside ``with torch.device("cuda")``, as deepmd's trainer; with

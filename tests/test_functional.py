@@ -405,6 +405,50 @@ def test_magma_score_of_sums_rows_and_range() -> None:
     torch.testing.assert_close(score.double(), expected, rtol=0, atol=1e-5)
 
 
+def test_magma_segment_sums_span_several_blocks() -> None:
+    """Magma's per-matrix sums over segments longer than one block (two passes), empty ones, any order."""
+    lengths = [2 * F.SEGMENT_BLOCK + 5, 0, 7, F.SEGMENT_BLOCK, 3 * F.SEGMENT_BLOCK]
+    matrix = [2, 4, 0, 3, 1]  # segment i holds (part of) matrix matrix[i]; matrix 4 is empty
+    values = torch.randn(sum(lengths), 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    expected = torch.zeros(5, 3, dtype=torch.float64)
+    for chunk, m in zip(values.split(lengths), matrix, strict=True):
+        expected[m] = chunk.sum(0)
+    got = F.Segments(lengths, matrix, 5, torch.device("cpu")).sums(values)
+    # float64, sums of a few thousand O(1) values in another order: agree to ~1e-13
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [None, 1e30, 3.4e38])  # largest |m|, |g|: huge but finite, the sums must not overflow
+def test_magma_over_segments_is_the_loops_magma(device: str, scale: float | None) -> None:
+    """The engine's Magma on a GPU (float64 sums over segments) gives the loop's multipliers, gated or not."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [6, 1, 2000, 9000, 37]  # 9000 spans several blocks of the first pass
+    mom = torch.randn(sum(lengths), generator=gen)
+    grad = 0.3 * mom + torch.randn(sum(lengths), generator=gen)
+    grad[6] = 0.0  # a block with a zero gradient: cos is 0 (the EPS floor), not NaN
+    mom[2009 + 4096 : 2009 + 8192] *= 1e-3  # one stretch of the long block at another scale
+    if scale is not None:
+        mom, grad = (x.double() / x.abs().max() * scale for x in (mom, grad))
+    mom, grad = mom.float().to(device), grad.float().to(device)
+    assert torch.isfinite(mom).all() and torch.isfinite(grad).all()
+    segments = F.Segments(lengths, list(range(len(lengths))), len(lengths), torch.device(device))
+    for ok in (1.0, 0.0):
+        gate = torch.tensor(ok, device=device)
+        scores = torch.full((len(lengths),), 0.5, device=device)
+        damp = F.magma_damp(scores, F.magma_segment_sums(mom, grad, segments), gate)
+        ref_scores = torch.full((len(lengths),), 0.5, device=device)
+        pieces = zip(mom.split(lengths), grad.split(lengths), strict=True)
+        raw = torch.cat([F.magma_score(*F.magma_sums(m[None], g[None])) for m, g in pieces])
+        ref = F.magma_scale_(ref_scores, raw, gate)
+        # float64 sums against the loop's float32 ones (scaled by powers of two): a few float32 roundings
+        torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(damp, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_magma_scale_ema() -> None:
     score = torch.full((3,), F.MAGMA_INITIAL_SCORE)
     raw = torch.tensor([1.0, 0.0, 0.5])

@@ -167,47 +167,10 @@ def test_newton_schulz_kernels_are_scale_invariant_up_to_the_gradient_limit(kern
             assert torch.equal(out, r), (path, tuple(g.shape), k)
 
 
-@pytest.mark.parametrize("scale", [None, 1e30, 3.4e38])  # largest |m|, |g|: huge but finite, the sums must not overflow
-def test_magma_kernel_matches_the_reference(kernels, scale):
-    K, device = kernels
-    gen = torch.Generator().manual_seed(1)
-    lengths = [6, 1, 2000, 9000, 37]  # 9000 spans three partial sums
-    mom = torch.randn(sum(lengths), generator=gen)
-    grad = 0.3 * mom + torch.randn(sum(lengths), generator=gen)
-    grad[6] = 0.0  # a block with a zero gradient: cos is 0 (the EPS floor), not NaN
-    # one chunk of the long block at another scale than the rest: the chunks' sums are aligned
-    mom[2009 + 4096 : 2009 + 8192] *= 1e-3
-    if scale is not None:
-        mom, grad = (x.double() / x.abs().max() * scale for x in (mom, grad))
-    mom, grad = mom.float().to(device), grad.float().to(device)
-    assert torch.isfinite(mom).all() and torch.isfinite(grad).all()
-    bounds, first = (torch.tensor(x, device=device) for x in K.magma_chunks(lengths))
-    assert first.tolist() == [0, 1, 2, 3, 6, 7]
-    partial = torch.empty(K.MAGMA_PARTIALS * (bounds.numel() - 1), device=device)
-    base = torch.arange(1.0, len(lengths) + 1.0, device=device)
-    neg_lr = torch.tensor(-0.5, device=device)
-    for ok in (1.0, 0.0):
-        scores = torch.full((len(lengths),), 0.5, device=device)
-        out = torch.empty(len(lengths), device=device)
-        gate = torch.tensor(ok, device=device)
-        K.magma_factors(mom, grad, bounds, first, partial, base, scores, out, neg_lr, gate)
-        ref_scores = torch.full((len(lengths),), 0.5, device=device)
-        raw = torch.stack(
-            [
-                F.magma_score(*F.magma_sums(m[None], g[None]))[0]
-                for m, g in zip(mom.split(lengths), grad.split(lengths), strict=True)
-            ]
-        )
-        ref = base * F.magma_scale_(ref_scores, raw, torch.tensor(ok, device=device)) * -0.5
-        # float32 sums in another order: agreement to a few float32 roundings
-        torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-
-
 def _host_kernels(K):
     """The kernels the package launches from the host (``_*_kernel`` in the kernel modules)."""
-    modules = [K.magma, K.newton_schulz]
-    return {getattr(m, n) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")}
+    m = K.newton_schulz
+    return {getattr(m, n) for n in dir(m) if n.startswith("_") and n.endswith("_kernel")}
 
 
 def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_engine(kernels, monkeypatch):
@@ -215,7 +178,7 @@ def test_the_pointers_compiled_as_aligned_are_aligned_at_every_launch_of_the_eng
 
     An unaligned one would not be wrong, but a variant the compile process never built: a
     compile in the training process. One engine step over every path (one program per
-    matrix in registers or streamed, the torch path, Magma) records each launch's arguments.
+    matrix in registers or streamed, the torch path) records each launch's arguments.
     """
     import inspect
 
@@ -381,8 +344,7 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
     assert opt.execution_table()[0]["kernels"] == "triton"
     assert launched == set(K.common.ALIGNED)
     # ... and each launch is one of those the compile process warms up for this group's variants
-    keys = [("magma", None, torch.float32)]
-    keys += [(*K.compile._launch_key(True, *s), None, torch.float32) for s in shapes[:2]]
+    keys = [(*K.compile._launch_key(True, *s), None, torch.float32) for s in shapes[:2]]
     declared = {launch for key in keys for launch in K.compile._launches(key)}
     for launch in seen:
         assert launch in declared, launch
@@ -398,11 +360,11 @@ def test_a_kernel_that_does_not_compile_leaves_the_torch_path(monkeypatch, caplo
     monkeypatch.setattr(K.compile, "_warm_up", broken)
     gpu = torch.device("cuda", 0)  # only named: the broken compiler never touches it
     with caplog.at_level(logging.WARNING, logger="deepmd.hybridmuon"):
-        assert K.prepare(gpu, torch.float32, [(True, 64, 512)], magma=True) is None
+        assert K.prepare(gpu, torch.float32, [(True, 64, 512)]) is None
     assert "did not compile (unsupported instruction); torch kernels instead" in caplog.text
     # remembered: no second attempt, no second warning
     caplog.clear()
-    assert K.prepare(gpu, torch.float32, [(True, 64, 512)], magma=True) is None
+    assert K.prepare(gpu, torch.float32, [(True, 64, 512)]) is None
     assert not caplog.text
 
 

@@ -7,9 +7,9 @@
 * :mod:`.fsdp`: the step (:class:`ShardedEngine`): the flat engine on a rank's shards, whose
   Muon updates travel to the owners and back in two ``all_to_all_single`` per step, plus the
   gate and Magma all-reduces.
-* :mod:`.local`: what the engine does not: Magma's sums over a rank's pieces of the matrices,
-  and the owners' Newton–Schulz: the engine's Triton launches where they apply
-  (:class:`OwnedKernels`), else stacked by shape.
+* :mod:`.local`: what the engine does not: the owners' scales and Newton–Schulz: the engine's
+  Triton launches where they apply (:class:`OwnedKernels`), else stacked by shape. (Magma's sums
+  over a rank's pieces of the matrices are the engine's own: ``functional.magma_segment_sums``.)
 
 DDP (``zero_stage`` 0) needs nothing here: every replica steps the whole group with the flat
 engine, as one process does, and the replicas stay bitwise identical. (Splitting the
@@ -23,11 +23,10 @@ is skipped because of local data (that would deadlock).
 
 from ..dtensor import is_dtensor, local_shard
 from .fsdp import ShardedEngine, from_owners, to_owners
-from .local import SEGMENT_BLOCK, OwnedKernels
+from .local import OwnedKernels
 from .plan import ParamLayout, Plan, build_plan, chunk_rows, ns_cost, trace_collectives
 
 __all__ = [
-    "SEGMENT_BLOCK",
     "OwnedKernels",
     "ParamLayout",
     "Plan",

@@ -120,7 +120,7 @@ class _Exchange:
         self.gather[self.place] = torch.arange(self.place.numel(), device=device)
 
         # Magma: my pieces as segments of the local buffer (in local order), and their matrices.
-        self.segments = local.Segments(
+        self.segments = F.Segments(
             [pc[3] for pc in mine], [matrix_base[pc[0]] + pc[1] for pc in mine], self.num_matrices, device
         )
 
@@ -305,7 +305,7 @@ class ShardedStep(BatchedStep):
         super().before_orthogonalize(ok)
         grads = self.pending[0]
         L = self.layout
-        self.sums = local.magma_partial_sums(L.momentum, grads, self.exchange.segments) if L.magma else None
+        self.sums = F.magma_segment_sums(L.momentum, grads, self.exchange.segments) if L.magma else None
 
     def complete_sums(self) -> None:
         """Magma: the whole-matrix sums from the shards' partial sums, one all-reduce (sum)."""
@@ -322,7 +322,7 @@ class ShardedStep(BatchedStep):
         update = self.pending[1]
         self.pending = None
         neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(L.dtype)
-        damp = None if self.sums is None else local.magma_damp(L.scores, self.sums, ok)
+        damp = None if self.sums is None else F.magma_damp(L.scores, self.sums, ok)
         wire = local.wire_dtype(update.dtype)
         owned = to_owners(ex, update.to(wire), self.pg).to(update.dtype)
         delta = torch.empty_like(owned, dtype=wire)

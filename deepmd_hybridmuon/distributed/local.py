@@ -1,9 +1,9 @@
-"""The FSDP2 step's work on a rank's shards beyond the engine's: Magma's partial sums, the owners' Newton–Schulz.
+"""The FSDP2 step's work on a rank's shards beyond the engine's: the owners' scales and Newton–Schulz.
 
 The elementwise work (Adam routes, Muon momentum, decay) is the flat engine's, on a layout of
 the local shards (:class:`.fsdp.ShardedEngine`); Magma's per-matrix sums are taken over each
-rank's pieces of the matrices and completed across ranks; the owners' Newton–Schulz runs the
-engine's Triton launches where they apply, else stacked by shape.
+rank's pieces of the matrices (``functional.magma_segment_sums``) and completed across ranks; the
+owners' Newton–Schulz runs the engine's Triton launches where they apply, else stacked by shape.
 """
 
 from __future__ import annotations
@@ -16,60 +16,6 @@ from .. import functional as F
 from ..engine import compilation
 from ..engine.layout import assign, build_fused, run_fused
 from .plan import _ShapeGroup
-
-#: Elements per block of the first pass of :meth:`Segments.sums`. torch's CUDA
-#: ``segment_reduce`` gives each output one thread that walks its whole segment, so one
-#: 1024 x 1024 matrix as one segment is a million serial additions (1.7 s per step for
-#: eight 4096 x 4096 matrices on an H200, 2026-11-23); cut into blocks of this size the first
-#: pass runs one thread per block, and the second pass adds one partial sum per block.
-SEGMENT_BLOCK = 1024
-
-
-class Segments:
-    """Where the matrices lie in a rank's flat Muon buffer, for Magma's per-matrix sums.
-
-    The buffer is cut into consecutive segments of ``lengths`` elements (a list); segment
-    ``i`` is (part of) matrix ``matrix[i]`` of the ``count`` matrices of the plan (numbered
-    in plan order).
-    """
-
-    def __init__(self, lengths: list[int], matrix: list[int], count: int, device: torch.device) -> None:
-        self.count = count
-        self.matrix = torch.tensor(matrix, dtype=torch.long, device=device)
-        blocks = [-(-n // SEGMENT_BLOCK) if n else 0 for n in lengths]
-        fine = [min(SEGMENT_BLOCK, n - b * SEGMENT_BLOCK) for n in lengths for b in range(-(-n // SEGMENT_BLOCK))]
-        self.fine = torch.tensor(fine, dtype=torch.long, device=device)
-        self.coarse = torch.tensor(blocks, dtype=torch.long, device=device)
-
-    def sums(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-matrix sums ``(count, k)`` of ``values`` ``(buffer elements, k)``, in two passes of blocks."""
-        out = torch.zeros(self.count, values.shape[1], dtype=values.dtype, device=values.device)
-        if self.fine.numel():
-            # unsafe: the lengths add up by construction; torch's checks of them (a minimum and a
-            # sum, read on the host) made the host wait for the GPU twice per call.
-            partial = torch.segment_reduce(values, "sum", lengths=self.fine, axis=0, unsafe=True)
-            pieces = torch.segment_reduce(partial, "sum", lengths=self.coarse, axis=0, unsafe=True)
-            out.index_copy_(0, self.matrix, pieces)
-        return out
-
-
-def magma_partial_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Magma's sums per matrix over this rank's pieces: ``(matrices, 3)`` float64, ``m·g``, ``m·m``, ``g·g``.
-
-    The shards' partial sums are added across ranks, so they cannot be scaled per matrix
-    (functional.magma_sums) without a scale agreed first. Instead they are float64 for inputs
-    of at most 32 bits: no product of two finite float32 numbers, nor a sum of 2^700 of them,
-    overflows float64, and float32's smallest numbers square to normal float64 ones.
-    (float64 inputs are below functional.GRAD_LIMIT too, so their sums cannot overflow either.)
-    """
-    m64, g64 = momentum.to(torch.float64), grad.to(torch.float64)
-    return segments.sums(torch.stack([m64 * g64, m64 * m64, g64 * g64], dim=1))  # (local elements, 3) summed
-
-
-def magma_damp(scores: torch.Tensor, sums: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
-    """Magma's multiplier per matrix from the whole-matrix ``sums``; advances the flat ``scores`` (gated)."""
-    raw = F.magma_score(sums[:, 0], sums[:, 1].sqrt(), sums[:, 2].sqrt()).to(torch.float32)
-    return F.magma_scale_(scores, raw, ok)
 
 
 class OwnedScales:
@@ -135,7 +81,7 @@ def owned_kernels(
         return None, None
     K = compilation.kernels()
     fused, _ = assign([(g.count, g.rows, g.cols) for g in groups], K, use_gram, device)
-    ready = compilation.request(device, dtype, [(f.use_gram, f.rows, f.cols) for f in fused], False) if fused else None
+    ready = compilation.request(device, dtype, [(f.use_gram, f.rows, f.cols) for f in fused]) if fused else None
     if ready is None or not ready.is_set():
         return None, ready
     return OwnedKernels(K, first, fused, device), None

@@ -79,9 +79,9 @@ class BatchedStep:
         self.K = compilation.kernels() if layout.triton else None
         self.ok = inputs.ok  # the last step's finite gate (compute)
         self.settings: F.GroupSettings | None = None  # the last step's (scalars)
-        # step.run: a taken step on the CPU runs without the gating arithmetic (the Magma kernel, which
-        # runs there under Triton's interpreter in the tests, takes the gate)
-        self.ungated = not layout.magma_kernel
+
+    #: step.run: a taken step on the CPU runs without the gating arithmetic.
+    ungated = True
 
     # ------------------------------------------------------------------ host
 
@@ -197,19 +197,9 @@ class BatchedStep:
     ) -> None:
         L, K = self.layout, self.K
         factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
-        if L.magma_kernel:
-            K.magma_factors(
-                L.momentum,
-                grads,
-                L.magma_bounds,
-                L.magma_first,
-                L.magma_partial,
-                L.block_scale,
-                L.scores,
-                factor,
-                neg_lr,
-                ok,
-            )
+        if L.segments is not None:
+            damp = F.magma_damp(L.scores, F.magma_segment_sums(L.momentum, grads, L.segments), ok)
+            factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
         elif L.magma:
             # Per-block sums of each parameter's own rows of m and g (functional.magma_sums, as the
             # loop takes them), in block order: each block summed on its own, whatever the others' scale.

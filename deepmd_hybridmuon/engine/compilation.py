@@ -56,13 +56,13 @@ def kernels() -> ModuleType:
     return module
 
 
-def request(device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]], magma: bool) -> Any:
+def request(device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]]) -> Any:
     """Ask for the kernel variants of ``paths`` ((use_gram, rows, cols) per launch group).
 
     Returns an object with ``is_set()`` and ``wait(timeout)``, set once every variant is
     compiled (at once when they already are), or ``None`` when one cannot be compiled.
     """
-    return kernels().prepare(device, dtype, paths, magma)
+    return kernels().prepare(device, dtype, paths)
 
 
 def prepare_device(device: torch.device, flash_muon: bool) -> None:

@@ -86,7 +86,7 @@ class GroupEngine:
         K = compilation.kernels()
         views = [r.view for r in routes if r.route == "muon"]
         paths = [(f.use_gram, f.rows, f.cols) for f in assign(views, K, bool(group["enable_gram"]), device)[0]]
-        ready = compilation.request(device, dtype, paths, bool(group["magma_muon"]))
+        ready = compilation.request(device, dtype, paths)
         if ready is None or not ready.is_set():  # compiling, or a kernel failed to compile
             return None, ready
         return K, None

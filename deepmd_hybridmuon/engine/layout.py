@@ -247,12 +247,9 @@ class Layout:
             build_fused(K, f, self.device)
         self.fused_paths = fused
         self.triton = K is not None
-        self.magma_kernel = self.triton and self.magma
-        if self.magma_kernel:
-            bounds, first = K.magma_chunks(lengths)
-            self.magma_bounds = torch.tensor(bounds, dtype=torch.int64, **kw)
-            self.magma_first = torch.tensor(first, dtype=torch.int64, **kw)
-            self.magma_partial = torch.zeros(K.MAGMA_PARTIALS * (len(bounds) - 1), dtype=torch.float32, **kw)
+        # Magma's sums: on a GPU over segments, a few kernels for every block at once; on the CPU per parameter.
+        on_device = self.magma and paths and self.device.type != "cpu"
+        self.segments = F.Segments(lengths, list(range(len(lengths))), len(lengths), self.device) if on_device else None
         for b in buckets:
             self._build_bucket(b)
         self.buckets = buckets

@@ -1,11 +1,11 @@
-"""Triton kernels of the flat engine: Newton–Schulz and Magma in a few launches per step.
+"""Triton kernels of the flat engine: Newton–Schulz, one program per matrix.
 
 The batched engine (:mod:`deepmd_hybridmuon.engine`) uses this package when ``flash_muon`` is on and Triton can run
 (CUDA, or Triton's CPU interpreter under ``TRITON_INTERPRET=1``). The per-tensor loop
 (:mod:`deepmd_hybridmuon.loop`) and the functions of :mod:`deepmd_hybridmuon.functional` stay the
 specification; these kernels compute the same functions (``newton_schulz``,
-``gram_newton_schulz``, ``magma_score``/``magma_scale_``) in fewer
-launches, and read every schedule and constant from ``functional``: the coefficient rows
+``gram_newton_schulz``) in one
+launch per shape group, and read every schedule and constant from ``functional``: the coefficient rows
 as a device table (:func:`coefficient_table`), the Gram restarts as compile-time flags
 (:func:`gram_constants`).
 
@@ -16,7 +16,6 @@ Architecture, one module per kernel family:
   polynomial, one Gram iteration); ``functional.on_triton`` decides which matrices take them.
 * :mod:`.newton_schulz`: one program per matrix, smaller side up to :data:`MAX_ROWS`
   (:func:`orthogonalize_blocks`); ``X`` in registers or streamed through a workspace.
-* :mod:`.magma`: per-block Magma factors in two launches (:func:`magma_factors`).
 * :mod:`.compile`: compilation of the variants in a child process, tracked by one
   :class:`KernelRegistry` (:data:`registry`; :func:`prepare`, :func:`wait_ready`), whose
   :class:`~.compile.Ledger` lists the variants already in Triton's disk cache (they load at once).
@@ -46,13 +45,11 @@ from .common import (
     work_dtype,
 )
 from .compile import KernelRegistry, prepare, set_up, wait_ready
-from .magma import MAGMA_PARTIALS, magma_chunks, magma_factors
 from .newton_schulz import orthogonalize_blocks
 
 common.settle_hashes()  # the same cache keys in every process (common.settle_hashes)
 
 __all__ = [
-    "MAGMA_PARTIALS",
     "MAX_ROWS",
     "META_COLS",
     "KernelRegistry",
@@ -61,8 +58,6 @@ __all__ = [
     "common",
     "compile",
     "gram_constants",
-    "magma_chunks",
-    "magma_factors",
     "orthogonalize_blocks",
     "prepare",
     "resident",

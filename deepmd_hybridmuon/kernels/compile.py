@@ -9,7 +9,7 @@ per machine, in the set-up thread below).
 
 * A variant is identified by a key (:func:`_launch_key` plus device index and dtype) and
   made of the launches :func:`_launches` gathers for it: the :class:`.common.Launch` objects
-  each kernel family declares once (``magma.magma_launches``, ``newton_schulz.blocks_launch``) and
+  each kernel family declares once (``newton_schulz.blocks_launch``) and
   its launchers launch through. The launched kernels take no value specialisation
   (:func:`.common.kernel`), so a variant is fixed by what those declarations hold; the compile
   process warms each one up from them, and the engine's real launches find exactly those binaries.
@@ -53,7 +53,6 @@ import torch
 
 from ..functional import on_triton
 from .common import Launch
-from .magma import magma_launches
 from .newton_schulz import blocks_launch, blocks_options
 
 log = logging.getLogger("deepmd.hybridmuon")
@@ -263,10 +262,8 @@ class KernelRegistry:
 
     # ----------------------------------------------------------------- asking
 
-    def prepare(
-        self, device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]], magma: bool
-    ) -> _Pending | None:
-        """Ask for the variants of ``paths`` ((use_gram, rows, cols) per launch) and Magma's.
+    def prepare(self, device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]]) -> _Pending | None:
+        """Ask for the variants of ``paths`` ((use_gram, rows, cols) per launch).
 
         Returns an object whose ``is_set()`` becomes true once they are all loaded in this
         process: at once on the CPU (Triton's interpreter compiles nothing) or when
@@ -276,8 +273,6 @@ class KernelRegistry:
         was logged once).
         """
         keys = {(*_launch_key(g, r, c), device.index, dtype) for g, r, c in paths}
-        if magma:
-            keys.add(("magma", device.index, dtype))
         pending = _Pending(self, frozenset(keys))
         self.poll(load=False)
         if keys & self.failed:
@@ -439,11 +434,9 @@ def compile_worker() -> None:
 registry = KernelRegistry()
 
 
-def prepare(
-    device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]], magma: bool
-) -> _Pending | None:
+def prepare(device: torch.device, dtype: torch.dtype, paths: list[tuple[bool, int, int]]) -> _Pending | None:
     """:meth:`KernelRegistry.prepare` of the process-wide :data:`registry`."""
-    return registry.prepare(device, dtype, paths, magma)
+    return registry.prepare(device, dtype, paths)
 
 
 def wait_ready(timeout: float | None = None) -> bool:
@@ -474,7 +467,4 @@ def _launch_key(use_gram: bool, rows: int, cols: int) -> tuple[Any, ...]:
 
 def _launches(key: Key) -> list[Launch]:
     """The launches of the variant ``key``: the objects through which the engine and the FSDP2 owners launch."""
-    kind, dtype = key[0], key[-1]
-    if kind == "magma":
-        return list(magma_launches(dtype))
-    return [blocks_launch(dtype, key[1])]
+    return [blocks_launch(key[-1], key[1])]
