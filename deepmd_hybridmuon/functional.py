@@ -524,7 +524,7 @@ def magma_score(
     product of the norms floored at ``eps``, by default :data:`MAGMA_EPS`, clamped to [-1, 1])
     is mapped through sigmoid(cos / :data:`MAGMA_TAU`) and stretched from
     [:data:`MAGMA_SIGMOID_LOW`, :data:`MAGMA_SIGMOID_HIGH`] to [0, 1]. Every implementation
-    (the loop, the flat engine, FSDP2's owners) follows this function.
+    (the loop, the flat engine, FSDP2's ranks) follows this function.
 
     The sums may be those of m 2^-a and g 2^-b (:func:`magma_sums`), with ``eps`` =
     ``MAGMA_EPS 2^-(a+b)`` per block: the cosine is then the same, and no sum overflows. A
@@ -566,6 +566,10 @@ def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor
 #: per step for eight 4096 x 4096 matrices on an H200); cut into blocks of this size, the first pass runs a thread per
 #: block and the second adds one partial sum per block.
 SEGMENT_BLOCK = 1024
+#: Device types where the flat engine takes Magma's sums over segments (:func:`magma_segment_sums`: a few kernels for
+#: every matrix at once); elsewhere per parameter (:func:`magma_sums`; on the CPU torch's ``segment_reduce`` is slower
+#: than that). The tests add the CPU to run the segments there.
+SEGMENT_SUM_DEVICES: frozenset[str] = frozenset({"cuda"})
 
 
 class Segments:
@@ -601,10 +605,15 @@ def magma_segment_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Seg
 
     Unscaled, so that the sums of several pieces of a matrix (FSDP2's shards) add up: float64 for inputs of at most
     32 bits cannot overflow (a product of two finite float32 numbers, or a sum of 2^700 of them, is finite, and
-    float32's smallest numbers square to normal float64 ones); float64 inputs are below :data:`GRAD_LIMIT`.
+    float32's smallest numbers square to normal float64 ones); float64 inputs are below :data:`GRAD_LIMIT`. One
+    float64 copy and one product alive at a time: 16 bytes per element beside the inputs (a captured step keeps them).
     """
-    m, g = momentum.to(torch.float64), grad.to(torch.float64)
-    return segments.sums(torch.stack([m * g, m * m, g * g], dim=1))
+    wide = grad.to(torch.float64)
+    dot = segments.sums(torch.mul(momentum, wide)[:, None])  # m promoted element by element: no float64 copy of it
+    gg = segments.sums(wide.square()[:, None])
+    del wide
+    mm = segments.sums(momentum.to(torch.float64).square()[:, None])
+    return torch.cat([dot, mm, gg], dim=1)
 
 
 def magma_damp(scores: torch.Tensor, sums: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:

@@ -311,7 +311,7 @@ def test_every_launch_has_the_declared_argument_types(kernels, monkeypatch):
     The declarations (``common.Launch``, ``compile._launches``) are what the compile process
     warms up; a launch with other argument dtypes would be a variant compiled in the training
     process. One engine step over matrices of every path (one program per matrix in registers or
-    streamed, the torch path) with Magma and an Adam vector makes every kernel launch.
+    streamed, the torch path) and an Adam vector makes every kernel launch.
     """
     from conftest import make_optimizer
 

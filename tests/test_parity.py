@@ -215,6 +215,28 @@ def test_implementation_matches_the_loop(request, impl: Implementation, options:
         assert err < tol, (name, err)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["2d", "slice"])
+def test_magma_over_segments_matches_the_loop(monkeypatch, dtype: torch.dtype, mode: str) -> None:
+    """The engine's Magma sums over segments of the flat buffer (a GPU's way) give the loop's step, here on the CPU."""
+    from deepmd_hybridmuon import functional as F
+
+    monkeypatch.setattr(F, "SEGMENT_SUM_DEVICES", frozenset({"cpu", "cuda"}))
+    calls = []
+    sums = F.magma_segment_sums
+    monkeypatch.setattr(F, "magma_segment_sums", lambda *a: calls.append(1) or sums(*a))
+    options = {"magma_muon": True, "muon_mode": mode, "weight_decay": 1e-3, "dtype": dtype}
+    fast, opt = _run("engine", False, torch.device("cpu"), SHAPES, 6, options)
+    assert len(calls) == 6  # every step took the sums over segments
+    ref, _ = _run("loop", False, torch.device("cpu"), SHAPES, 6, options)
+    group = opt.param_groups[0]
+    for (name, r), p in zip(ref.items(), group["params"], strict=True):
+        if name not in GRADLESS and r.numel():
+            err = ((fast[name] - r).norm() / r.norm()).item()
+            tol = TORCH_MUON_TOL if opt.route_of(p, group).route == "muon" else ADAM_TOL  # as the CPU engine's rows
+            assert err < tol, (name, err)
+
+
 # ----------------------------------------------------------------------------- Triton path specifics
 
 

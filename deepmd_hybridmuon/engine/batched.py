@@ -145,9 +145,9 @@ class BatchedStep:
 
         The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
         update exists; captured, it runs on side streams while the main stream computes Magma's
-        factors and runs the Triton launches. Magma's sums are
-        taken whole in :meth:`orthogonalize` (with the Triton kernels, in the launch that also
-        gives the factors). The decay waits for :meth:`apply`.
+        factors and runs the Triton launches. Magma's sums and factors are taken in
+        :meth:`orthogonalize`: over segments of the flat buffer on a GPU, per parameter on the
+        CPU. The decay waits for :meth:`apply`.
         """
         L = self.layout
         grads = F.sanitize(L.muon_grad, ok)

@@ -247,9 +247,9 @@ class Layout:
             build_fused(K, f, self.device)
         self.fused_paths = fused
         self.triton = K is not None
-        # Magma's sums: on a GPU over segments, a few kernels for every block at once; on the CPU per parameter.
-        on_device = self.magma and paths and self.device.type != "cpu"
-        self.segments = F.Segments(lengths, list(range(len(lengths))), len(lengths), self.device) if on_device else None
+        # Magma's sums over segments, a few kernels for every block at once, where F.SEGMENT_SUM_DEVICES says so
+        segmented = self.magma and paths and self.device.type in F.SEGMENT_SUM_DEVICES
+        self.segments = F.Segments(lengths, list(range(len(lengths))), len(lengths), self.device) if segmented else None
         for b in buckets:
             self._build_bucket(b)
         self.buckets = buckets
