@@ -561,7 +561,7 @@ def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor
     return (m * g).sum(dim=-1), m.norm(dim=-1), g.norm(dim=-1), eps
 
 
-#: Elements per block of the first pass of :meth:`Segments.sums`. torch's CUDA ``segment_reduce`` gives each output
+#: Elements per block of the first pass of :meth:`Segments.pieces`. torch's CUDA ``segment_reduce`` gives each output
 #: one thread that walks its whole segment (one 1024 x 1024 matrix as one segment: a million serial additions, 1.7 s
 #: per step for eight 4096 x 4096 matrices on an H200); cut into blocks of this size, the first pass runs a thread per
 #: block and the second adds one partial sum per block.
@@ -588,16 +588,21 @@ class Segments:
         fine = [min(SEGMENT_BLOCK, n - b * SEGMENT_BLOCK) for n, k in zip(lengths, cut, strict=True) for b in range(k)]
         self.fine = torch.tensor(fine, dtype=torch.long, device=device)
         self.coarse = torch.tensor(cut, dtype=torch.long, device=device)
+        self.identity = matrix == list(range(count))  # one segment per matrix, in order: the one-process engine
 
-    def sums(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-matrix sums ``(count, k)`` of ``values`` ``(buffer elements, k)``."""
-        out = torch.zeros(self.count, values.shape[1], dtype=values.dtype, device=values.device)
-        if self.fine.numel():
-            # unsafe: the lengths add up by construction; the checks read two results on the host, each a wait.
-            partial = torch.segment_reduce(values, "sum", lengths=self.fine, axis=0, unsafe=True)
-            pieces = torch.segment_reduce(partial, "sum", lengths=self.coarse, axis=0, unsafe=True)
-            out.index_copy_(0, self.matrix, pieces)
-        return out
+    def pieces(self, values: torch.Tensor) -> torch.Tensor:
+        """Each segment's sum of ``values`` (buffer elements first), in two passes of blocks."""
+        if not self.fine.numel():  # every segment empty (a rank that holds no piece)
+            return values.new_zeros((self.coarse.numel(), *values.shape[1:]))
+        # unsafe: the lengths add up by construction; the checks read two results on the host, each a wait.
+        partial = torch.segment_reduce(values, "sum", lengths=self.fine, axis=0, unsafe=True)
+        return torch.segment_reduce(partial, "sum", lengths=self.coarse, axis=0, unsafe=True)
+
+    def place(self, pieces: torch.Tensor) -> torch.Tensor:
+        """Per-matrix sums ``(count, ...)`` from the segments' :meth:`pieces`."""
+        if self.identity:
+            return pieces
+        return pieces.new_zeros((self.count, *pieces.shape[1:])).index_copy_(0, self.matrix, pieces)
 
 
 def magma_segment_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -609,11 +614,11 @@ def magma_segment_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Seg
     float64 copy and one product alive at a time: 16 bytes per element beside the inputs (a captured step keeps them).
     """
     wide = grad.to(torch.float64)
-    dot = segments.sums(torch.mul(momentum, wide)[:, None])  # m promoted element by element: no float64 copy of it
-    gg = segments.sums(wide.square()[:, None])
+    dot = segments.pieces(torch.mul(momentum, wide))  # m promoted element by element: no float64 copy of it
+    gg = segments.pieces(wide.square())
     del wide
-    mm = segments.sums(momentum.to(torch.float64).square()[:, None])
-    return torch.cat([dot, mm, gg], dim=1)
+    mm = segments.pieces(momentum.to(torch.float64).square())
+    return segments.place(torch.stack([dot, mm, gg], dim=1))
 
 
 def magma_damp(scores: torch.Tensor, sums: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:

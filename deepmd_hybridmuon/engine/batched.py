@@ -197,9 +197,9 @@ class BatchedStep:
     ) -> None:
         L, K = self.layout, self.K
         factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
+        damp = None  # Magma's multiplier per block
         if L.segments is not None:
             damp = F.magma_damp(L.scores, F.magma_segment_sums(L.momentum, grads, L.segments), ok)
-            factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
         elif L.magma:
             # Per-block sums of each parameter's own rows of m and g (functional.magma_sums, as the
             # loop takes them), in block order: each block summed on its own, whatever the others' scale.
@@ -208,9 +208,8 @@ class BatchedStep:
                 for o, n, bs in L.muon_rows
             ]
             raw = F.magma_score(*(torch.cat(sums) for sums in zip(*parts, strict=True)))
-            factor.copy_(F.muon_factor(L.block_scale, F.magma_scale_(L.scores, raw, ok), neg_lr))
-        else:
-            factor.copy_(F.muon_factor(L.block_scale, None, neg_lr))
+            damp = F.magma_scale_(L.scores, raw, ok)
+        factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
 
         # Each bucket's stack, scaled by its blocks' factors, goes back into muon_delta on its
         # lane once the factors exist; the Triton launches (main stream) read `update` and
