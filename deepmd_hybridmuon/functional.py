@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -498,21 +499,27 @@ def muon_scale(rows: int, cols: int, lr_adjust: float, lr_adjust_coeff: float) -
     return max(1.0, rows / cols) ** 0.5
 
 
-def nesterov_momentum_(
-    buf: torch.Tensor, grad: torch.Tensor, momentum: float | torch.Tensor, ok: torch.Tensor | None = None
-) -> torch.Tensor:
-    """m <- beta m + (1 - beta) g in place (not when ``ok`` is 0); return beta m + (1 - beta) g.
+def momentum_(buf: torch.Tensor, grad: torch.Tensor, momentum: float | torch.Tensor, ok: torch.Tensor | None) -> None:
+    """m <- beta m + (1 - beta) g in place (not when ``ok`` is 0).
 
-    The blend weight ``1 - beta`` is rounded to ``buf``'s dtype first, gated or not. ``momentum`` is a
-    number, or a float64 0-dim tensor on ``buf``'s device (the flat engine's captured step reads it
-    from the device): the same arithmetic, the Nesterov blend in ``buf``'s compute dtype either way.
+    The blend weight ``1 - beta`` is rounded to ``buf``'s dtype first, gated or not. ``momentum`` is a number, or a
+    float64 0-dim tensor on ``buf``'s device (the flat engine's captured step reads it from the device).
     """
     tensor = isinstance(momentum, torch.Tensor)
     weight = (1.0 - momentum).to(buf.dtype) if tensor else torch.tensor(1.0 - momentum, dtype=buf.dtype).item()
     buf.lerp_(grad, weight if ok is None else ok.to(buf.dtype) * weight)
+
+
+def nesterov(
+    buf: torch.Tensor, grad: torch.Tensor, momentum: float | torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Nesterov's update beta m + (1 - beta) g (after :func:`momentum_`), in ``buf``'s compute dtype; into ``out``."""
     compute = torch.promote_types(buf.dtype, torch.float32)  # where lerp with a number computes
-    beta = momentum.to(compute) if tensor else momentum
-    return torch.lerp(grad.to(compute), buf.to(compute), beta).to(buf.dtype)
+    beta = momentum.to(compute) if isinstance(momentum, torch.Tensor) else momentum
+    if compute == buf.dtype:
+        return torch.lerp(grad, buf, beta, out=out)
+    blend = torch.lerp(grad.to(compute), buf.to(compute), beta).to(buf.dtype)
+    return blend if out is None else out.copy_(blend)
 
 
 def magma_score(
@@ -561,11 +568,15 @@ def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor
     return (m * g).sum(dim=-1), m.norm(dim=-1), g.norm(dim=-1), eps
 
 
-#: Elements per block of the first pass of :meth:`Segments.pieces`. torch's CUDA ``segment_reduce`` gives each output
-#: one thread that walks its whole segment (one 1024 x 1024 matrix as one segment: a million serial additions, 1.7 s
-#: per step for eight 4096 x 4096 matrices on an H200); cut into blocks of this size, the first pass runs a thread per
+#: Elements per block of the first pass of :class:`Segments`. torch's CUDA ``segment_reduce`` gives each output one
+#: thread that walks its whole segment (one 1024 x 1024 matrix as one segment: a million serial additions, 1.7 s per
+#: step for eight 4096 x 4096 matrices on an H200); cut into blocks of this size, the first pass runs a thread per
 #: block and the second adds one partial sum per block.
 SEGMENT_BLOCK = 1024
+#: Most elements of one part of the buffer in :class:`Segments`' first pass: :func:`magma_segment_sums` keeps one
+#: float64 copy of a part alive (32 MiB), where one copy of the whole buffer would grow with the model; each part
+#: costs about ten kernels, so models of up to 4 M Muon elements take one part.
+SEGMENT_PART = 1 << 22
 #: Device types where the flat engine takes Magma's sums over segments (:func:`magma_segment_sums`: a few kernels for
 #: every matrix at once); elsewhere per parameter (:func:`magma_sums`; on the CPU torch's ``segment_reduce`` is slower
 #: than that). The tests add the CPU to run the segments there.
@@ -578,7 +589,8 @@ class Segments:
     Segment ``i`` holds ``lengths[i]`` elements of matrix ``matrix[i]`` (of ``count``); several segments may belong
     to one matrix (FSDP2's shards) and a matrix may have none. The device's way to Magma's sums: a few kernels for
     the whole buffer, where one set per matrix would be hundreds (on the CPU, torch's ``segment_reduce`` is slower
-    than summing each parameter's rows).
+    than summing each parameter's rows). The first pass sums blocks of at most :data:`SEGMENT_BLOCK` elements, part
+    by part of the buffer (:data:`SEGMENT_PART`); the second adds each segment's blocks.
     """
 
     def __init__(self, lengths: list[int], matrix: list[int], count: int, device: torch.device) -> None:
@@ -586,23 +598,38 @@ class Segments:
         self.matrix = torch.tensor(matrix, dtype=torch.long, device=device)
         cut = [-(-n // SEGMENT_BLOCK) for n in lengths]
         fine = [min(SEGMENT_BLOCK, n - b * SEGMENT_BLOCK) for n, k in zip(lengths, cut, strict=True) for b in range(k)]
-        self.fine = torch.tensor(fine, dtype=torch.long, device=device)
         self.coarse = torch.tensor(cut, dtype=torch.long, device=device)
         self.identity = matrix == list(range(count))  # one segment per matrix, in order: the one-process engine
+        # (part of the buffer, the lengths of its blocks): whole blocks, at most SEGMENT_PART elements each
+        self.parts: list[tuple[slice, torch.Tensor]] = []
+        start = total = 0
+        blocks: list[int] = []
+        for n in [*fine, 0]:
+            if blocks and (n == 0 or total + n > SEGMENT_PART):  # no block is empty: 0 ends the list
+                self.parts.append((slice(start, start + total), torch.tensor(blocks, dtype=torch.long, device=device)))
+                start, total, blocks = start + total, 0, []
+            if n:
+                blocks.append(n)
+                total += n
 
-    def pieces(self, values: torch.Tensor) -> torch.Tensor:
-        """Each segment's sum of ``values`` (buffer elements first), in two passes of blocks."""
-        if not self.fine.numel():  # every segment empty (a rank that holds no piece)
-            return values.new_zeros((self.coarse.numel(), *values.shape[1:]))
-        # unsafe: the lengths add up by construction; the checks read two results on the host, each a wait.
-        partial = torch.segment_reduce(values, "sum", lengths=self.fine, axis=0, unsafe=True)
-        return torch.segment_reduce(partial, "sum", lengths=self.coarse, axis=0, unsafe=True)
+    def sums(self, columns: Callable[[slice], Iterable[torch.Tensor]], width: int) -> torch.Tensor:
+        """Per-matrix sums ``(count, width)`` of the ``width`` columns that ``columns(part)`` yields for each part.
 
-    def place(self, pieces: torch.Tensor) -> torch.Tensor:
-        """Per-matrix sums ``(count, ...)`` from the segments' :meth:`pieces`."""
+        Each column is reduced before the next is asked for, so ``columns`` may rewrite one buffer for all of them.
+        """
+        if not self.parts:  # every segment empty (a rank that holds no piece)
+            pieces = torch.zeros((self.coarse.numel(), width), dtype=torch.float64, device=self.coarse.device)
+        else:
+            # unsafe: the lengths add up by construction; the checks read two results on the host, each a wait.
+            first = [
+                torch.stack([torch.segment_reduce(c, "sum", lengths=n, axis=0, unsafe=True) for c in columns(part)], 1)
+                for part, n in self.parts
+            ]
+            blocks = torch.cat(first) if len(first) > 1 else first[0]
+            pieces = torch.segment_reduce(blocks, "sum", lengths=self.coarse, axis=0, unsafe=True)
         if self.identity:
             return pieces
-        return pieces.new_zeros((self.count, *pieces.shape[1:])).index_copy_(0, self.matrix, pieces)
+        return pieces.new_zeros((self.count, width)).index_copy_(0, self.matrix, pieces)
 
 
 def magma_segment_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -611,14 +638,17 @@ def magma_segment_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Seg
     Unscaled, so that the sums of several pieces of a matrix (FSDP2's shards) add up: float64 for inputs of at most
     32 bits cannot overflow (a product of two finite float32 numbers, or a sum of 2^700 of them, is finite, and
     float32's smallest numbers square to normal float64 ones); float64 inputs are below :data:`GRAD_LIMIT`. One
-    float64 copy and one product alive at a time: 16 bytes per element beside the inputs (a captured step keeps them).
+    float64 buffer per part of :class:`Segments`, rewritten for each sum.
     """
-    wide = grad.to(torch.float64)
-    dot = segments.pieces(torch.mul(momentum, wide))  # m promoted element by element: no float64 copy of it
-    gg = segments.pieces(wide.square())
-    del wide
-    mm = segments.pieces(momentum.to(torch.float64).square())
-    return segments.place(torch.stack([dot, mm, gg], dim=1))
+
+    def columns(part: slice) -> Iterator[torch.Tensor]:
+        m, g = momentum[part], grad[part]
+        wide = g.to(torch.float64, copy=True)
+        yield wide.mul_(m)
+        yield wide.copy_(m).square_()
+        yield wide.copy_(g).square_()
+
+    return segments.sums(columns, 3)
 
 
 def magma_damp(scores: torch.Tensor, sums: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
@@ -732,9 +762,13 @@ def finite_gate(grads: list[torch.Tensor], adam_grads: list[torch.Tensor] = ()) 
     return ok.to(torch.float32)
 
 
-def sanitize(grad: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
-    """``grad`` when the step is taken, zeros otherwise (so NaN never meets a zero weight); ``ok`` None: ``grad``."""
-    return grad if ok is None else torch.where(ok > 0, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+def sanitize(grad: torch.Tensor, ok: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``grad`` when the step is taken, zeros otherwise (so NaN never meets a zero weight), into ``out``.
+
+    ``ok`` None: ``grad`` itself.
+    """
+    zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
+    return grad if ok is None else torch.where(ok > 0, grad, zero, out=out)
 
 
 def gate_factor(factor: float | torch.Tensor, ok: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | float:

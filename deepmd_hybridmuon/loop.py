@@ -124,9 +124,10 @@ class _Phases:
             g = F.sanitize(m.grad.to(buf.dtype), ok_here)
             if s.weight_decay > 0:
                 p.mul_(F.gate_factor(s.muon_decay, ok_here, p.dtype))
-            m.update = F.nesterov_momentum_(buf, g, s.momentum, ok_here)
+            F.momentum_(buf, g, s.momentum, ok_here)
             if s.magma:
                 m.sums = F.magma_sums(buf.reshape(bs, -1), g.reshape(bs, -1))
+            m.update = F.nesterov(buf, g, s.momentum)
 
     def complete_sums(self) -> None:
         """Nothing: each matrix's sums are whole in one process."""

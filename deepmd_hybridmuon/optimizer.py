@@ -570,6 +570,9 @@ class HybridMuonOptimizer(Optimizer):
         if use_loop:
             return None
         kernels_ready = engine is not None and engine.outdated
+        # the old engine's buffers, stacks and graphs go before the new ones exist (its state lives on in self.state)
+        engine = self._runners.pop(index, None)
+        del engine
         engine = self._runners[index] = kind(
             group,
             [self.route_of(p, group) for p in group["params"]],

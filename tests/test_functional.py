@@ -405,16 +405,20 @@ def test_magma_score_of_sums_rows_and_range() -> None:
     torch.testing.assert_close(score.double(), expected, rtol=0, atol=1e-5)
 
 
-def test_magma_segment_sums_span_several_blocks() -> None:
-    """Magma's per-matrix sums over segments longer than one block (two passes), empty ones, any order."""
+@pytest.mark.parametrize("parts", [1, 4])
+def test_magma_segment_sums_span_several_blocks(monkeypatch, parts: int) -> None:
+    """Magma's per-matrix sums over segments longer than one block (two passes), empty ones, any order, the buffer
+    taken in one part or in several (whose edges cut segments)."""
     lengths = [2 * F.SEGMENT_BLOCK + 5, 0, 7, F.SEGMENT_BLOCK, 3 * F.SEGMENT_BLOCK]
+    monkeypatch.setattr(F, "SEGMENT_PART", -(-sum(lengths) // parts))
     matrix = [2, 4, 0, 3, 1]  # segment i holds (part of) matrix matrix[i]; matrix 4 is empty
     values = torch.randn(sum(lengths), 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     expected = torch.zeros(5, 3, dtype=torch.float64)
     for chunk, m in zip(values.split(lengths), matrix, strict=True):
         expected[m] = chunk.sum(0)
     segments = F.Segments(lengths, matrix, 5, torch.device("cpu"))
-    got = segments.place(segments.pieces(values))
+    assert (len(segments.parts) > 1) == (parts > 1)  # whole blocks: about `parts` of them
+    got = segments.sums(lambda part: values[part].unbind(1), 3)
     # float64, sums of a few thousand O(1) values in another order: agree to ~1e-13
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 

@@ -285,7 +285,6 @@ class ShardedStep(BatchedStep):
         super().__init__(layout, inputs, shared_gate)
         self.exchange, self.scales, self.owned_kernels, self.mesh = exchange, scales, kernels, mesh
         self.pg = mesh.get_group(shard_dim)
-        self.sums: torch.Tensor | None = None
 
     def gate(self) -> torch.Tensor:
         """The gate of this rank, made the same on every rank: one all-reduce (min) per mesh dimension.
@@ -300,12 +299,10 @@ class ShardedStep(BatchedStep):
                 _collective("all_reduce", (1,), dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=self.mesh.get_group(d))
         return ok
 
-    def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
-        """The engine's momentum and Nesterov update, and Magma's sums over this rank's pieces of each matrix."""
-        super().before_orthogonalize(ok)
-        grads = self.pending[0]
-        L = self.layout
-        self.sums = F.magma_segment_sums(L.momentum, grads, self.exchange.segments) if L.magma else None
+    @property
+    def segments(self) -> F.Segments | None:
+        """Magma's sums over this rank's pieces of each matrix."""
+        return self.exchange.segments if self.layout.magma else None
 
     def complete_sums(self) -> None:
         """Magma: the whole-matrix sums from the shards' partial sums, one all-reduce (sum)."""
@@ -319,14 +316,13 @@ class ShardedStep(BatchedStep):
     def orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Newton–Schulz on the owners: the shards of the update travel there, the scaled updates back."""
         L, ex = self.layout, self.exchange
-        update = self.pending[1]
-        self.pending = None
+        update = L.muon_grad  # this rank's shards of the Nesterov update (before_orthogonalize)
         neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(L.dtype)
-        damp = None if self.sums is None else F.magma_damp(L.scores, self.sums, ok)
+        damp = self._damp(ok)
         wire = local.wire_dtype(update.dtype)
         owned = to_owners(ex, update.to(wire), self.pg).to(update.dtype)
         delta = torch.empty_like(owned, dtype=wire)
         factor = self.scales.factors(damp, neg_lr)  # every owned matrix's, in one product
         use_gram = self.settings.use_gram
         local.orthogonalize_owned(use_gram, owned, ex.groups, factor, self.scales.first, delta, self.owned_kernels)
-        L.muon_delta.copy_(from_owners(ex, delta, self.pg))
+        update.copy_(from_owners(ex, delta, self.pg))

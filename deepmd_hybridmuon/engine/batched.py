@@ -2,11 +2,13 @@
 
 The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`), batched:
 
-* in: the gradients sit in the flat gradient buffer (copied there by :mod:`.execution`) and
-  are checked for non-finite values;
-* Adam/AdamW: a few flat moment/denominator kernels into the update buffer;
-* Muon: momentum and Nesterov update over the flat buffers, then per matrix a factor
-  (Muon scale x Magma x -lr) and the orthogonalised update times that factor: the
+* in: the gradients sit in the layout's flat buffer (copied there by :mod:`.execution`) and
+  are checked for non-finite values; every phase then turns its part of that buffer into the update,
+  in place;
+* Adam/AdamW: a few flat moment/denominator kernels;
+* Muon: the momentum, Magma's sums (they read m and g), the Nesterov update over the gradients, then
+  per matrix a factor (Muon scale x Magma x -lr) and the orthogonalised update times that factor,
+  back into the same place (each program and stack reads its matrix whole before it writes): the
   layout's Triton launches and torch stacks (zero-padded on CUDA: zero padding
   commutes with both Newton–Schulz variants in exact arithmetic: zero rows and columns
   stay zero, the Gram matrix of the real rows is unchanged; only rounding differs);
@@ -35,7 +37,7 @@ from .layout import Layout, run_fused
 #: The step's scalars, read from the group every step (a scheduler may change any of them), each in the
 #: dtype the loop uses it in. First, in the parameters' dtype: Muon decay, -lr, AdamW decay.
 PARAM_DTYPE_SCALARS = 3
-#: Then the momentum (float64, as ``functional.nesterov_momentum_`` takes it); then, in float32: 1 - beta1,
+#: Then the momentum (float64, as ``functional.momentum_`` takes it); then, in float32: 1 - beta1,
 #: 1 - beta2. After them, every Adam parameter's -step size, then every Adam parameter's second bias
 #: correction (each parameter keeps its own step count, as in the loop).
 SCALARS = PARAM_DTYPE_SCALARS + 3
@@ -79,6 +81,8 @@ class BatchedStep:
         self.K = compilation.kernels() if layout.triton else None
         self.ok = inputs.ok  # the last step's finite gate (compute)
         self.settings: F.GroupSettings | None = None  # the last step's (scalars)
+        self.sums: Any = None  # Magma's sums of this step (before_orthogonalize), or None
+        self.stacks: list[torch.Tensor] = []  # the torch buckets' orthogonalised stacks of this step
 
     #: step.run: a taken step on the CPU runs without the gating arithmetic.
     ungated = True
@@ -127,7 +131,7 @@ class BatchedStep:
         return self.inputs.ok if self.shared_gate else F.finite_gate([L.muon_grad], [L.adam_grad])
 
     def adam(self, ok: torch.Tensor | None) -> None:
-        """Adam and AdamW into the update buffer; the decay waits for :meth:`apply`."""
+        """Adam and AdamW: their gradients become their increments, in place; the decay waits for :meth:`apply`."""
         L = self.layout
         if not L.adam:
             return
@@ -138,33 +142,73 @@ class BatchedStep:
             neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # one gather kernel
             weights, grads = adam[:2] if ok is None else ok * adam[:2], F.sanitize(L.adam_grad.to(torch.float32), ok)
             step_size = neg_step if ok is None else neg_step * ok
-            L.adam_delta.copy_(F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size))
+            L.adam_grad.copy_(F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size))
 
     def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
-        """Momentum and Nesterov update; the Newton-Schulz that reads only the update starts here.
+        """Momentum, Magma's sums, and the Nesterov update in place of the gradients; the torch buckets start.
 
-        The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the
-        update exists; captured, it runs on side streams while the main stream computes Magma's
-        factors and runs the Triton launches. Magma's sums and factors are taken in
-        :meth:`orthogonalize`: over segments of the flat buffer on a GPU, per parameter on the
-        CPU. The decay waits for :meth:`apply`.
+        Magma's sums read m and g, so they come before the update overwrites g: over segments of the flat
+        buffer where :attr:`segments` exist (a GPU; FSDP2's shards), per parameter elsewhere (the CPU).
+        The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the update exists;
+        captured, it runs on side streams while the main stream computes Magma's factors and runs the Triton
+        launches. The decay waits for :meth:`apply`.
         """
         L = self.layout
-        grads = F.sanitize(L.muon_grad, ok)
-        update = F.nesterov_momentum_(L.momentum, grads, self.inputs.scalars[PARAM_DTYPE_SCALARS], ok)
-        self.pending = (grads, update, self._start_buckets(update, self.lanes))
+        grads = F.sanitize(L.muon_grad, ok, out=L.muon_grad)  # the engine's own copy: zeroed in place
+        momentum = self.inputs.scalars[PARAM_DTYPE_SCALARS]
+        F.momentum_(L.momentum, grads, momentum, ok)
+        if self.segments is not None:
+            self.sums = F.magma_segment_sums(L.momentum, grads, self.segments)
+        elif L.magma:  # each block summed on its own, whatever the others' scale (as the loop takes them)
+            parts = [
+                F.magma_sums(L.momentum[o : o + n].view(bs, -1), grads[o : o + n].view(bs, -1))
+                for o, n, bs in L.muon_rows
+            ]
+            self.sums = [torch.cat(sums) for sums in zip(*parts, strict=True)]
+        update = F.nesterov(L.momentum, grads, momentum, out=grads)
+        self.stacks = self._start_buckets(update, self.lanes)
+
+    @property
+    def segments(self) -> F.Segments | None:
+        """Where Magma's sums are taken over segments of the flat buffer (:func:`functional.magma_segment_sums`)."""
+        return self.layout.segments
 
     def complete_sums(self) -> None:
         """Nothing: each matrix's sums are whole in one process."""
 
     def orthogonalize(self, ok: torch.Tensor | None) -> None:
-        """Magma's factors, then every Muon matrix's orthogonalised update times its factor, into ``muon_delta``."""
-        neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(self.layout.dtype)
-        self._muon(neg_lr, ok, *self.pending, self.lanes)
-        self.pending = None
+        """Magma's factors, then every Muon matrix's orthogonalised update times its factor, in place of the update."""
+        L, K = self.layout, self.K
+        neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(L.dtype)
+        damp = self._damp(ok)
+        factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
+        factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
+        # Each bucket's stack, scaled by its blocks' factors, goes back on its lane once the factors exist;
+        # the Triton launches (main stream) read and write the other matrices' parts of the buffer.
+        for i, (b, out) in enumerate(zip(L.buckets, self.stacks, strict=True)):
+            with self.lanes.lane(i):
+                factors = factor.index_select(0, b.block_ids)
+                for boff, bs, delta in b.outputs:
+                    part = out[boff : boff + bs, : delta.size(1), : delta.size(2)]
+                    F.post_orthogonalize(part, factors[boff : boff + bs], delta)
+        self.stacks = []
+        for f in L.fused_paths:
+            run_fused(K, f, L.muon_grad, L.muon_grad, factor)
+
+    def _damp(self, ok: torch.Tensor | None) -> torch.Tensor | None:
+        """Magma's multiplier per block from this step's :attr:`sums`, which it uses up (advancing the scores).
+
+        None without Magma.
+        """
+        sums, self.sums = self.sums, None
+        if sums is None:
+            return None
+        if isinstance(sums, torch.Tensor):  # over segments
+            return F.magma_damp(self.layout.scores, sums, ok)
+        return F.magma_scale_(self.layout.scores, F.magma_score(*sums), ok)
 
     def apply(self, ok: torch.Tensor | None) -> None:
-        """``p <- p * decay + delta``, the decays gated, once every lane has written its updates."""
+        """``p <- p * decay + update``, the decays gated, once every lane has written its updates."""
         L = self.layout
         self.lanes.join()
         if L.weight_decay:  # decay: Muon's, AdamW's, or none for Adam
@@ -172,7 +216,7 @@ class BatchedStep:
                 torch._foreach_mul_(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype))
             if L.muon:
                 torch._foreach_mul_([p for p, _ in L.muon], F.gate_factor(self.muon_decay, ok, L.dtype))
-        torch._foreach_add_(L.staged, L.delta_views)
+        torch._foreach_add_(L.staged, L.grad_views)
 
     def _start_buckets(self, update: torch.Tensor, lanes: Lanes) -> list[torch.Tensor]:
         """The torch buckets' orthogonalised stacks of ``update``, unscaled (on the side streams when captured)."""
@@ -185,40 +229,3 @@ class BatchedStep:
                     part.copy_(view.mT if tall else view)
                 stacks.append(F.orthogonalize(b.stack, b.use_gram))
         return stacks
-
-    def _muon(
-        self,
-        neg_lr: torch.Tensor,
-        ok: torch.Tensor | None,
-        grads: torch.Tensor,
-        update: torch.Tensor,
-        stacks: list[torch.Tensor],
-        lanes: Lanes,
-    ) -> None:
-        L, K = self.layout, self.K
-        factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
-        damp = None  # Magma's multiplier per block
-        if L.segments is not None:
-            damp = F.magma_damp(L.scores, F.magma_segment_sums(L.momentum, grads, L.segments), ok)
-        elif L.magma:
-            # Per-block sums of each parameter's own rows of m and g (functional.magma_sums, as the
-            # loop takes them), in block order: each block summed on its own, whatever the others' scale.
-            parts = [
-                F.magma_sums(L.momentum[o : o + n].view(bs, -1), grads[o : o + n].view(bs, -1))
-                for o, n, bs in L.muon_rows
-            ]
-            raw = F.magma_score(*(torch.cat(sums) for sums in zip(*parts, strict=True)))
-            damp = F.magma_scale_(L.scores, raw, ok)
-        factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
-
-        # Each bucket's stack, scaled by its blocks' factors, goes back into muon_delta on its
-        # lane once the factors exist; the Triton launches (main stream) read `update` and
-        # `factor` and write the other parts of muon_delta.
-        for i, (b, out) in enumerate(zip(L.buckets, stacks, strict=True)):
-            with lanes.lane(i):
-                factors = factor.index_select(0, b.block_ids)
-                for boff, bs, delta in b.outputs:
-                    part = out[boff : boff + bs, : delta.size(1), : delta.size(2)]
-                    F.post_orthogonalize(part, factors[boff : boff + bs], delta)
-        for f in L.fused_paths:
-            run_fused(K, f, update, L.muon_delta, factor)

@@ -3,9 +3,9 @@
 A :class:`Layout` is built once per engine (and again whenever what it was built from
 changes). It holds
 
-* the flat buffers: one gradient buffer and one update buffer holding the Adam
-  parameters first, then the Muon ones; the float32 Adam moments; the Muon momentum; the
-  Magma scores. The optimizer's per-parameter state entries (``state[p]["exp_avg"]``...)
+* the flat buffers: one buffer holding the Adam parameters first, then the Muon ones, into which each step
+  copies the gradients and in which it turns them into the updates; the float32 Adam moments; the Muon
+  momentum; the Magma scores. The optimizer's per-parameter state entries (``state[p]["exp_avg"]``...)
   become views of them (:func:`deepmd_hybridmuon.state.adopt`), so the state keeps the built-in layout;
 * the assignment of every Muon matrix to a path (:func:`assign`): one Triton program per
   matrix (:class:`Fused`) or a stack of the torch path (:class:`Bucket`: zero-padded on CUDA, one per shape on
@@ -50,7 +50,7 @@ class Bucket:
     blocks: list[int] = field(default_factory=list)  # global block index of each stack row
     # per member: (flat offset, batch, rows, cols, transposed, its part of the stack)
     inputs: list[tuple[int, int, int, int, bool, torch.Tensor]] = field(default_factory=list)
-    # per member: (batch offset in bucket, batch, its muon_delta as the stack holds it: wide on CUDA)
+    # per member: (batch offset in bucket, batch, its part of muon_grad as the stack holds it: wide on CUDA)
     outputs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     block_ids: torch.Tensor | None = None
 
@@ -168,17 +168,15 @@ class Layout:
         self.muon: list[MuonEntry] = [(local[id(p)], view) for p, view in muon_keys]
         self.weight_decay = float(group["weight_decay"]) > 0
         self.magma = bool(group["magma_muon"])
-        # One flat gradient buffer and one flat update buffer, Adam parameters first: one
-        # copy in, one finite check and one update pass per step.
+        # One flat buffer, Adam parameters first: the gradients are copied in, checked, and turned into the
+        # updates in place (the step's one copy of the parameters' size beside the momentum), written out at once.
         self.staged = self.adam + [p for p, _ in self.muon]
         # where the parameters live: a captured graph writes through these addresses
         self.storage = [p.data_ptr() for p in self.staged]
         self.shapes = [p.shape for p in self.staged]  # a new shape in the same storage rebuilds too
         self.numels = [p.numel() for p in self.staged]
         self.grad = torch.zeros(sum(self.numels), dtype=self.dtype, device=self.device)
-        self.delta = torch.zeros_like(self.grad)
         self.grad_views = split_views(self.grad, self.staged)
-        self.delta_views = split_views(self.delta, self.staged)
         self._build_adam(state, adam_keys)
         self._build_muon(state, group, kernels, [p for p, _ in muon_keys], paths)
 
@@ -202,7 +200,6 @@ class Layout:
         kw = {"device": self.device, "dtype": torch.float32}
         self.exp_avg = torch.zeros(n, **kw)
         self.exp_avg_sq = torch.zeros(n, **kw)
-        self.adam_delta = self.delta[:n]
         self.adam_grad = self.grad[:n]
         fresh = [p for p in keys if "exp_avg" not in state[p]]
         adopt(state, keys, "exp_avg", split_views(self.exp_avg, self.adam))
@@ -224,7 +221,6 @@ class Layout:
         kw = {"device": self.device}
         self.momentum = torch.zeros(n, dtype=self.dtype, **kw)
         adopt(state, keys, "momentum_buffer", split_views(self.momentum, params))
-        self.muon_delta = self.delta[self.delta.numel() - n :]
         self.muon_grad = self.grad[self.grad.numel() - n :]
 
         # Blocks (one per matrix of each view) and their per-block Muon scale.
@@ -265,7 +261,7 @@ class Layout:
         b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=dtype, **kw)
         b.inputs, b.outputs = [], []
         for off, bs, rows, cols, boff, tall in b.members:
-            flat = self.muon_delta[off : off + bs * rows * cols].view(bs, rows, cols)
+            flat = self.muon_grad[off : off + bs * rows * cols].view(bs, rows, cols)
             b.outputs.append((boff, bs, flat.mT if tall else flat))
             r, c = (cols, rows) if tall else (rows, cols)
             b.inputs.append((off, bs, rows, cols, tall, b.stack[boff : boff + bs, :r, :c]))
