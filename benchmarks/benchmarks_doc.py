@@ -680,8 +680,8 @@ def design_magma() -> str:
     return table(head, rows) + "\n\n" + sources([MAGMA_STEP, *(n for names in MAGMA_E2E.values() for n in names)])
 
 
-#: The GPU step before and after the current CPU work, alternating in one call: (3f98130, then) pairs of rounds.
-STEP_BEFORE_AFTER = [f"step_time_h100_2026-11-27_{k}_r{r}.json" for r in (1, 2) for k in ("before", "after")]
+#: The GPU step before and after the in-place flat buffer, alternating in one call: (205dfb2, then) pairs of rounds.
+STEP_BEFORE_AFTER = [f"step_time_h100_2026-11-28_{k}_r{r}.json" for r in (1, 2) for k in ("before", "after")]
 
 
 def step_before_after() -> str:
@@ -820,19 +820,20 @@ def design_alignment() -> str:
 #: memory.py's variants as the memory tables name them.
 MEMORY_VARIANTS = {
     "ours": "ours",
+    "ours-eager": "ours without the CUDA graph (`engine-eager`)",
     "ours-torch": "ours, torch kernels (`flash_muon: false`)",
     "adamw": "fused AdamW",
     "builtin": "built-in",
     "torch-muon": "torch.optim.Muon + AdamW",
     "ours-one-stream": "ours, its CUDA graph captured on one stream",
-    "ours-eager": "ours without the CUDA graph (`engine-eager`)",
 }
 
 
 def memory_files() -> list[str]:
-    """The results files of ``benchmarks/memory.py`` measured on CUDA (a CPU run records no memory)."""
-    names = [p.name for p in sorted(RESULTS.glob("memory_*.json"))]
-    return [n for n in names if str((load(n).get("environment") or {}).get("device", "")).startswith("cuda")]
+    """The results files of ``benchmarks/memory.py`` measured on CUDA (a CPU run records no memory), oldest first."""
+    names = [p.name for p in RESULTS.glob("memory_*.json")]
+    cuda = [n for n in names if str((load(n).get("environment") or {}).get("device", "")).startswith("cuda")]
+    return sorted(cuda, key=lambda n: source(n)["date"])
 
 
 def _mib(x: float | None) -> str:
@@ -852,8 +853,9 @@ def memory() -> str:
             "No results yet: `python benchmarks/memory.py` on a GPU writes "
             "`benchmarks/results/memory_<gpu>_<date>.json`."
         )
-    rows, train_rows = [], []
-    # fused AdamW per model, from whichever file measured it (the ratios of the design runs without it)
+    rows: dict[tuple[str, str], list[str]] = {}  # (model, variant): the latest measurement only
+    train_rows = []
+    # fused AdamW per model, from the latest file that measured it
     adamw_of = {
         config: r
         for name in names
@@ -884,7 +886,7 @@ def memory() -> str:
                     ]
                 else:
                     cells += ["unavailable" if r.get("unavailable") else "failed", "", "", ""]
-                rows.append(cells)
+                rows[config, r["variant"]] = cells
         for config, entry in (data.get("train") or {}).items():
             runs = [r for r in entry["runs"] if r["label"] != "warmup"]
             adamw_peak = next(
@@ -904,7 +906,9 @@ def memory() -> str:
                 )
     head = ["model", "date, commit", "parameters", "optimizer", "resident MiB", "peak MiB"]
     head += [f"resident: {TIMES} fused AdamW's", f"peak: {TIMES} fused AdamW's"]
-    text = table(head, rows, right=4)
+    models, variants = list(MODEL.values()), list(MEMORY_VARIANTS.values())
+    rank = [(c[0] in models and models.index(c[0]), c[3] in variants and variants.index(c[3])) for c in rows.values()]
+    text = table(head, [c for _, c in sorted(zip(rank, rows.values()), key=lambda x: x[0])], right=4)
     if train_rows:
         head = ["model", "date, commit", "optimizer", "steps", "`dp --pt train` peak MiB", f"{TIMES} AdamW's"]
         text += "\n\n" + table(head, train_rows, right=3)
