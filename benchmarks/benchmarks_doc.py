@@ -255,6 +255,8 @@ PAIRS = (
     ("multi_gpu_dpa3_h200x2_2026-11-27.json", "dpa3_water", (1,)),
     ("multi_gpu_dpa4_h200x2_2026-11-27.json", "dpa4_water", (1,)),
     ("multi_gpu_dpa3_h200x4_2026-11-27.json", "dpa3_water", (1,)),
+    ("multi_gpu_dpa3_stage1_h100x4_2026-11-28.json", "dpa3_water", (1,)),
+    ("multi_gpu_dpa4_stage1_h100x4_2026-11-28.json", "dpa4_water", (1,)),
     ("multi_gpu_dpa3_stage2_h100x4_2026-11-27.json", "dpa3_water", (2,)),
     ("multi_gpu_dpa3_stage3_h100x4_2026-11-27.json", "dpa3_water", (3,)),
     ("multi_gpu_dpa4_stage2_h100x4_2026-11-27.json", "dpa4_water", (2,)),
