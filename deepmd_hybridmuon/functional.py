@@ -12,6 +12,7 @@ rounding.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -573,9 +574,9 @@ def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor
 #: step for eight 4096 x 4096 matrices on an H200); cut into blocks of this size, the first pass runs a thread per
 #: block and the second adds one partial sum per block.
 SEGMENT_BLOCK = 1024
-#: Most elements of one part of the buffer in :class:`Segments`' first pass: :func:`magma_segment_sums` keeps one
-#: float64 copy of a part alive (32 MiB), where one copy of the whole buffer would grow with the model; each part
-#: costs about ten kernels, so models of up to 4 M Muon elements take one part.
+#: Elements of the buffer per part of :class:`Segments`' first pass (each part: the blocks that start in it):
+#: :func:`magma_segment_sums` keeps one float64 copy of a part alive (about 32 MiB), where a copy of the whole buffer
+#: would grow with the model; each part costs about ten kernels, so models of up to 4 M Muon elements take one.
 SEGMENT_PART = 1 << 22
 #: Device types where the flat engine takes Magma's sums over segments (:func:`magma_segment_sums`: a few kernels for
 #: every matrix at once); elsewhere per parameter (:func:`magma_sums`; on the CPU torch's ``segment_reduce`` is slower
@@ -600,17 +601,13 @@ class Segments:
         fine = [min(SEGMENT_BLOCK, n - b * SEGMENT_BLOCK) for n, k in zip(lengths, cut, strict=True) for b in range(k)]
         self.coarse = torch.tensor(cut, dtype=torch.long, device=device)
         self.identity = matrix == list(range(count))  # one segment per matrix, in order: the one-process engine
-        # (part of the buffer, the lengths of its blocks): whole blocks, at most SEGMENT_PART elements each
-        self.parts: list[tuple[slice, torch.Tensor]] = []
-        start = total = 0
-        blocks: list[int] = []
-        for n in [*fine, 0]:
-            if blocks and (n == 0 or total + n > SEGMENT_PART):  # no block is empty: 0 ends the list
-                self.parts.append((slice(start, start + total), torch.tensor(blocks, dtype=torch.long, device=device)))
-                start, total, blocks = start + total, 0, []
-            if n:
-                blocks.append(n)
-                total += n
+        # (part of the buffer, the lengths of its blocks): the blocks that start in each SEGMENT_PART elements
+        starts = [0, *itertools.accumulate(fine)]
+        parts = [list(run) for _, run in itertools.groupby(range(len(fine)), lambda b: starts[b] // SEGMENT_PART)]
+        self.parts = [
+            (slice(starts[run[0]], starts[run[-1] + 1]), torch.tensor(fine[run[0] : run[-1] + 1], device=device))
+            for run in parts
+        ]
 
     def sums(self, columns: Callable[[slice], Iterable[torch.Tensor]], width: int) -> torch.Tensor:
         """Per-matrix sums ``(count, width)`` of the ``width`` columns that ``columns(part)`` yields for each part.
@@ -625,8 +622,7 @@ class Segments:
                 torch.stack([torch.segment_reduce(c, "sum", lengths=n, axis=0, unsafe=True) for c in columns(part)], 1)
                 for part, n in self.parts
             ]
-            blocks = torch.cat(first) if len(first) > 1 else first[0]
-            pieces = torch.segment_reduce(blocks, "sum", lengths=self.coarse, axis=0, unsafe=True)
+            pieces = torch.segment_reduce(torch.cat(first), "sum", lengths=self.coarse, axis=0, unsafe=True)
         if self.identity:
             return pieces
         return pieces.new_zeros((self.count, width)).index_copy_(0, self.matrix, pieces)
@@ -763,12 +759,13 @@ def finite_gate(grads: list[torch.Tensor], adam_grads: list[torch.Tensor] = ()) 
 
 
 def sanitize(grad: torch.Tensor, ok: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``grad`` when the step is taken, zeros otherwise (so NaN never meets a zero weight), into ``out``.
+    """``grad`` if the step is taken, else zeros (so NaN never meets a zero weight), into ``out``.
 
-    ``ok`` None: ``grad`` itself.
+    ``ok`` None: ``grad`` itself (``out`` is not written).
     """
-    zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
-    return grad if ok is None else torch.where(ok > 0, grad, zero, out=out)
+    if ok is None:
+        return grad
+    return torch.where(ok > 0, grad, torch.zeros((), dtype=grad.dtype, device=grad.device), out=out)
 
 
 def gate_factor(factor: float | torch.Tensor, ok: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | float:

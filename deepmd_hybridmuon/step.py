@@ -17,8 +17,8 @@ The phases, in order:
    no phase waits for the device to read it.
 2. ``adam``: the Adam and AdamW routes. They read and write no element that phases 3-5 touch,
    so an implementation may run them beside those (the engine does, captured, on a side stream).
-3. ``before_orthogonalize``: Muon's decoupled weight decay, momentum and Nesterov update, and
-   Magma's partial sums.
+3. ``before_orthogonalize``: Muon's decoupled weight decay, the momentum, Magma's partial sums
+   (of the momentum and the gradient), and the Nesterov update.
 4. ``complete_sums``: Magma's sums over whole matrices; nothing to do in one process, one
    all-reduce of the shards' partial sums under FSDP2.
 5. ``orthogonalize``: Magma's multiplier, then Newton–Schulz of each update, times the Muon scale,
@@ -62,7 +62,7 @@ class Phases(Protocol):
         ...
 
     def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
-        """Muon's weight decay, momentum and Nesterov update; Magma's partial sums."""
+        """Muon's weight decay, the momentum, Magma's partial sums, and the Nesterov update."""
         ...
 
     def complete_sums(self) -> None:

@@ -428,8 +428,13 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scale", [None, 1e30, 3.4e38])  # largest |m|, |g|: huge but finite, the sums must not overflow
-def test_magma_over_segments_is_the_loops_magma(device: str, scale: float | None) -> None:
+@pytest.mark.parametrize("part", [None, 3000])  # the whole buffer in one part, or in four whose edges cut blocks
+def test_magma_over_segments_is_the_loops_magma(
+    monkeypatch, device: str, scale: float | None, part: int | None
+) -> None:
     """The engine's Magma on a GPU (float64 sums over segments) gives the loop's multipliers, gated or not."""
+    if part is not None:
+        monkeypatch.setattr(F, "SEGMENT_PART", part)
     gen = torch.Generator().manual_seed(1)
     lengths = [6, 1, 2000, 9000, 37]  # 9000 spans several blocks of the first pass
     mom = torch.randn(sum(lengths), generator=gen)

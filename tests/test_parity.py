@@ -222,6 +222,7 @@ def test_magma_over_segments_matches_the_loop(monkeypatch, dtype: torch.dtype, m
     from deepmd_hybridmuon import functional as F
 
     monkeypatch.setattr(F, "SEGMENT_SUM_DEVICES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(F, "SEGMENT_PART", 1000)  # several parts: one float64 buffer rewritten for each sum of each
     calls = []
     sums = F.magma_segment_sums
     monkeypatch.setattr(F, "magma_segment_sums", lambda *a: calls.append(1) or sums(*a))

@@ -4,10 +4,11 @@ DeePMD models have many small matrices, so a per-tensor step is bound by kernel
 launches, not arithmetic. The engine runs the step of a whole param_group on a few flat
 buffers, one job per module:
 
-* :mod:`.layout` (data only): which parameter goes where. Flat gradient, update and
-  state buffers (the optimizer's per-parameter state entries are views of them, in the
-  built-in layout); every Muon matrix assigned to a path: one Triton program per matrix,
-  or a stack of the torch path (zero-padded on CUDA); their device tables.
+* :mod:`.layout` (data only): which parameter goes where. A flat buffer in which each step
+  turns the gradients into the updates, and flat state buffers (the optimizer's per-parameter
+  state entries are views of them, in the built-in layout); every Muon matrix assigned to a
+  path: one Triton program per matrix, or a stack of the torch path (zero-padded on CUDA);
+  their device tables.
 * :mod:`.batched` (arithmetic only): one step on those buffers, reading nothing that
   changes between steps but a few static input tensors. The math itself comes from
   :mod:`deepmd_hybridmuon.functional` (torch path) and :mod:`deepmd_hybridmuon.kernels`

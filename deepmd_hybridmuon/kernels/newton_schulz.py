@@ -11,7 +11,9 @@ Each program of a launch takes one matrix of the metadata table
   slice of the workspace and is streamed through in column chunks of ``CHUNK`` (the Gram
   iteration passes over it only to form its Gram matrix, at the restarts and at the end);
 * the result, times the block's factor (Muon scale x Magma x -lr, computed on the device
-  before), is written to the flat output vector in the parameter's own layout.
+  before), is written to the flat output vector in the parameter's own layout. A program
+  reads its whole matrix before it writes any of it, and no two programs share an element,
+  so the output may be the input (the engine's step writes the update over itself).
 
 The coefficients are the rows of ``coefficient_table`` and the Gram schedule's restarts
 compile-time constants of ``gram_constants``, both read from ``functional``.
@@ -179,7 +181,7 @@ def orthogonalize_blocks(
     Parameters
     ----------
     src, dst
-        Flat vectors (same length and layout): the Nesterov updates, and the output.
+        Flat vectors (same length and layout): the Nesterov updates, and the output (which may be ``src``).
     work
         Workspace, :data:`GRAM_WORK_DTYPE` or :data:`STANDARD_WORK_DTYPE`, with room for
         ``m * n`` elements per matrix at the offsets given in ``meta`` (unused, but still
