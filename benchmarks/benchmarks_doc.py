@@ -908,9 +908,9 @@ def memory() -> str:
                 )
     head = ["model", "date, commit", "parameters", "optimizer", "resident MiB", "peak MiB"]
     head += [f"resident: {TIMES} fused AdamW's", f"peak: {TIMES} fused AdamW's"]
-    models, variants = list(MODEL.values()), list(MEMORY_VARIANTS.values())
-    rank = [(c[0] in models and models.index(c[0]), c[3] in variants and variants.index(c[3])) for c in rows.values()]
-    text = table(head, [c for _, c in sorted(zip(rank, rows.values()), key=lambda x: x[0])], right=4)
+    order = {key: i for i, key in enumerate([*MODEL, *MEMORY_VARIANTS])}  # models, then variants, as their tables
+    ordered = sorted(rows.items(), key=lambda item: tuple(order.get(key, len(order)) for key in item[0]))
+    text = table(head, [cells for _, cells in ordered], right=4)
     if train_rows:
         head = ["model", "date, commit", "optimizer", "steps", "`dp --pt train` peak MiB", f"{TIMES} AdamW's"]
         text += "\n\n" + table(head, train_rows, right=3)

@@ -571,7 +571,7 @@ class HybridMuonOptimizer(Optimizer):
             return None
         kernels_ready = engine is not None and engine.outdated
         # the old engine's buffers, stacks and graphs go before the new ones exist (its state lives on in self.state)
-        engine = self._runners.pop(index, None)
+        self._runners.pop(index, None)
         del engine
         engine = self._runners[index] = kind(
             group,
