@@ -266,6 +266,11 @@ PAIRS = (
     ("multi_gpu_dpa3_stage2_g4_h200x4_2026-11-27.json", "dpa3_water", (2,)),
     ("multi_gpu_dpa3_stage3_g4_h200x4_2026-11-27.json", "dpa3_water", (3,)),
     ("multi_gpu_dpa4_stage3_g4_h200x4_2026-11-27.json", "dpa4_water", (3,)),
+    ("multi_gpu_dpa4_stage2_g4_h100x4_2026-11-28.json", "dpa4_water", (2,)),
+    ("multi_gpu_dpa3_stage3_g4_h100x4_2026-11-28.json", "dpa3_water", (3,)),
+    ("multi_gpu_dpa4_stage3_g4_h100x4_2026-11-28.json", "dpa4_water", (3,)),
+    ("multi_gpu_dpa3_stage1_g4_h100x4_2026-11-28.json", "dpa3_water", (1,)),
+    ("multi_gpu_dpa4_stage1_g4_h100x4_2026-11-28.json", "dpa4_water", (1,)),
 )
 
 
@@ -302,6 +307,34 @@ def pair_rows() -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def several_gpus_summary() -> str:
+    """The pairs of :data:`PAIRS` per model, number of GPUs and stage: how many, and ours against AdamW."""
+    cells: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for r in pair_rows():
+        cells.setdefault((r["config"], load(r["name"])["gpus"], r["stage"]), []).append(r)
+    rows = []
+    for (config, gpus, stage), pairs in sorted(cells.items(), key=lambda item: (item[0][1], item[0][2], item[0][0])):
+        spb = [r["spb"]["ours"] / r["spb"]["adamw"] for r in pairs]
+        longer = [r["clocks"]["ours"][2] / r["clocks"]["adamw"][2] for r in pairs]
+        rows.append(
+            [
+                MODEL.get(config, config),
+                str(gpus),
+                STAGE[stage],
+                " + ".join(
+                    f"{len([r for r in pairs if r['name'] == n])} ({gpu_model(n)})"
+                    for n in dict.fromkeys(r["name"] for r in pairs)
+                ),
+                f"{statistics.geometric_mean(spb):.2f}{TIMES}",
+                f"{min(spb):.2f}{DASH}{max(spb):.2f}{TIMES}",
+                f"{min(longer):.2f}{DASH}{max(longer):.2f}{TIMES}",
+            ]
+        )
+    head = ["model", "GPUs", "zero_stage", "pairs (per call)", f"ours {TIMES} AdamW's s/batch, geometric mean"]
+    head += ["each pair", f"step, the longer clock: ours {TIMES} AdamW's"]
+    return table(head, rows, right=4)
 
 
 def several_gpus_pairs() -> str:
@@ -856,7 +889,7 @@ def memory() -> str:
             "`benchmarks/results/memory_<gpu>_<date>.json`."
         )
     rows: dict[tuple[str, str], list[str]] = {}  # (model, variant): the latest measurement only
-    train_rows = []
+    train_rows: dict[tuple[str, str], list[str]] = {}  # likewise
     # fused AdamW per model, from the latest file that measured it
     adamw_of = {
         config: r
@@ -896,16 +929,14 @@ def memory() -> str:
             )
             for r in runs:
                 peak = r["max_memory_allocated_mib"]
-                train_rows.append(
-                    [
-                        MODEL.get(config, config),
-                        when,
-                        MEMORY_VARIANTS.get(r["variant"], r["variant"]).replace("fused AdamW", "AdamW"),
-                        str(r["steps"]),
-                        _mib(peak) if not r["problems"] else "failed",
-                        _times(peak, adamw_peak),
-                    ]
-                )
+                train_rows[config, r["variant"]] = [
+                    MODEL.get(config, config),
+                    when,
+                    MEMORY_VARIANTS.get(r["variant"], r["variant"]).replace("fused AdamW", "AdamW"),
+                    str(r["steps"]),
+                    _mib(peak) if not r["problems"] else "failed",
+                    _times(peak, adamw_peak),
+                ]
     head = ["model", "date, commit", "parameters", "optimizer", "resident MiB", "peak MiB"]
     head += [f"resident: {TIMES} fused AdamW's", f"peak: {TIMES} fused AdamW's"]
     order = {key: i for i, key in enumerate([*MODEL, *MEMORY_VARIANTS])}  # models, then variants, as their tables
@@ -913,7 +944,7 @@ def memory() -> str:
     text = table(head, [cells for _, cells in ordered], right=4)
     if train_rows:
         head = ["model", "date, commit", "optimizer", "steps", "`dp --pt train` peak MiB", f"{TIMES} AdamW's"]
-        text += "\n\n" + table(head, train_rows, right=3)
+        text += "\n\n" + table(head, list(train_rows.values()), right=3)
     return text + "\n\n" + sources(names)
 
 
@@ -925,6 +956,7 @@ BLOCKS = {
     "time-to-accuracy": time_to_accuracy,
     "learning-rate": learning_rate,
     "several-gpus": several_gpus,
+    "several-gpus-summary": several_gpus_summary,
     "several-gpus-pairs": several_gpus_pairs,
     "scaling": scaling,
     "cost-model": cost_model,
@@ -977,10 +1009,15 @@ def readme_claims() -> list[str]:
     (*_, ours_s), (*_, adamw_s) = cpu_time_to_accuracy_rows()
     four = [r["eff"] for r in scaling_rows() if r["gpus"] == 4 and r["eff"]["ours"]]  # the sets with a one-GPU run
     eff = {v: [e[v] for e in four if e[v]] for v in ("ours", "adamw")}
+    zero1 = [r for r in pair_rows() if r["stage"] == 1]
+    z_step = [r["clocks"]["ours"][0] / r["clocks"]["adamw"][0] for r in zero1]
+    z_spb = [r["spb"]["ours"] / r["spb"]["adamw"] for r in zero1]
     fsdp = [r for r in pair_rows() if r["stage"] >= 2]
     spb = [r["spb"]["ours"] / r["spb"]["adamw"] for r in fsdp]
     host = {v: [r["clocks"][v][1] for r in fsdp] for v in ("ours", "adamw")}
     return [
+        f"our step took {min(z_step):.2f}{DASH}{max(z_step):.2f}{TIMES} AdamW's, and the runs "
+        f"{min(z_spb):.2f}{DASH}{max(z_spb):.2f}{TIMES} its s/batch",
         f"under FSDP2 ours trains at {min(spb):.2f}{DASH}{max(spb):.2f}{TIMES} AdamW's s/batch, and its step keeps the "
         f"host busy {min(host['ours']):.1f}{DASH}{max(host['ours']):.1f} ms against AdamW's "
         f"{min(host['adamw']):.1f}{DASH}{max(host['adamw']):.1f} ms",
