@@ -998,8 +998,8 @@ def readme_claims() -> list[str]:
     e2e = end_to_end_rows()
     d3 = next(r for r in e2e if r["model"] == "dpa3_water")
     d4 = [r for r in e2e if r["model"] == "dpa4_water"]
-    vs_adamw = [r["ours"][0] / r["adamw"][0] for r in (d3, *d4)]
     d2 = next(r for r in e2e if r["model"] == "dpa2_small_water")
+    vs_adamw = [r["ours"][0] / r["adamw"][0] for r in (d3, *d4)]
     vs_builtin = [r["ours"][0] / r["builtin"][0] for r in (d3, *d4)]
     dpa3 = step_medians(STEP, "dpa3_water")
     ours3, builtin3 = dpa3["ours"], dpa3["builtin"]
