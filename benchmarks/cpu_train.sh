@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `dp --pt train` end to end on the CPU: deepmd-hybridmuon, deepmd-kit's built-in HybridMuon and AdamW, two rounds
-# with the variants in opposite orders, on se_e2_a water, DPA-3 water (about 9 s a batch at 2 threads: 24 steps) and
+# with the variants in opposite orders, on se_e2_a water, DPA-3 water (9–12 s a batch at 2 threads: 24 steps) and
 # the bundled example (its data made by examples/make_data.py).
 # Usage: bash benchmarks/cpu_train.sh [THREADS] [OUTDIR] [MODELS]
 #   (default 2 threads, benchmarks/results, se_e2_a_water,dpa3_water,example)
