@@ -993,6 +993,14 @@ def render(text: str) -> str:
 # ---------------------------------------------------------------------------------- README
 
 
+def _cpu_ours_vs(kind: str, other: str) -> list[float]:
+    """Per (model, threads) of the CPU runs of ``kind``: ours' mean over the rounds over ``other``'s."""
+    return [
+        mean([r["ours"] for _, r in rounds]) / mean([r[other] for _, r in rounds])
+        for rounds in _cpu_runs(kind).values()
+    ]
+
+
 def readme_claims() -> list[str]:
     """The README's figures, each as the exact text it must contain, computed from the results."""
     e2e = end_to_end_rows()
@@ -1003,21 +1011,15 @@ def readme_claims() -> list[str]:
     vs_builtin = [r["ours"][0] / r["builtin"][0] for r in (d3, *d4)]
     dpa3 = step_medians(STEP, "dpa3_water")
     ours3, builtin3 = dpa3["ours"], dpa3["builtin"]
-    cpu = [
-        mean([r["ours"] for _, r in rounds]) / mean([r["builtin"] for _, r in rounds])
-        for rounds in _cpu_runs("step").values()
-    ]
-    cpu_batch = [
-        mean([r["ours"] for _, r in rounds]) / mean([r["adamw"] for _, r in rounds])
-        for rounds in _cpu_runs("train").values()
-    ]
+    cpu, cpu_batch = _cpu_ours_vs("step", "builtin"), _cpu_ours_vs("train", "adamw")
     (*_, ours_s), (*_, adamw_s) = cpu_time_to_accuracy_rows()
     four = [r["eff"] for r in scaling_rows() if r["gpus"] == 4 and r["eff"]["ours"]]  # the sets with a one-GPU run
     eff = {v: [e[v] for e in four if e[v]] for v in ("ours", "adamw")}
-    zero1 = [r for r in pair_rows() if r["stage"] == 1]
+    pairs = pair_rows()
+    zero1 = [r for r in pairs if r["stage"] == 1]
     z_step = [r["clocks"]["ours"][2] / r["clocks"]["adamw"][2] for r in zero1]  # the longer clock
     z_spb = [r["spb"]["ours"] / r["spb"]["adamw"] for r in zero1]
-    fsdp = [r for r in pair_rows() if r["stage"] >= 2]
+    fsdp = [r for r in pairs if r["stage"] >= 2]
     spb = [r["spb"]["ours"] / r["spb"]["adamw"] for r in fsdp]
     host = {v: [r["clocks"][v][1] for r in fsdp] for v in ("ours", "adamw")}
     return [

@@ -150,7 +150,8 @@ def test_a_rebuilt_engine_lets_the_old_buffers_go(device):
     params = _params(torch.float32, device)
     opt = make_optimizer(list(params.values()), "engine", lr=1e-2, named_parameters=params.items())
     gen = torch.Generator().manual_seed(5)
-    muon = next(p for name, p in params.items() if _routes(opt, params)[name] == "muon")
+    routes = _routes(opt, params)
+    muon = next(p for name, p in params.items() if routes[name] == "muon")
 
     def step():
         for p in params.values():
