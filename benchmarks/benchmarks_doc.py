@@ -271,6 +271,11 @@ PAIRS = (
     ("multi_gpu_dpa4_stage3_g4_h100x4_2026-11-28.json", "dpa4_water", (3,)),
     ("multi_gpu_dpa3_stage1_g4_h100x4_2026-11-28.json", "dpa3_water", (1,)),
     ("multi_gpu_dpa4_stage1_g4_h100x4_2026-11-28.json", "dpa4_water", (1,)),
+    ("multi_gpu_dpa3_stage2_g2_three_h100x4_2026-11-28.json", "dpa3_water", (2,)),
+    ("multi_gpu_dpa4_stage2_g2_three_h100x4_2026-11-28.json", "dpa4_water", (2,)),
+    ("multi_gpu_dpa4_stage1_g4_three_h100x4_2026-11-28.json", "dpa4_water", (1,)),
+    ("multi_gpu_dpa3_stage1_g4_three_h100x4_2026-11-28.json", "dpa3_water", (1,)),
+    ("multi_gpu_dpa4_stage2_g4_three_h100x4_2026-11-28.json", "dpa4_water", (2,)),
 )
 
 
