@@ -297,7 +297,7 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
     from deepmd.utils.argcheck import normalize
     from deepmd.utils.compat import update_deepmd_input
 
-    from .schema import resolve_legacy_keys
+    from .validation import resolve_legacy_keys
 
     shared_links = None
     written = set(jdata.get("training", {}))  # the keys of the input's training (the conversion moves some)

@@ -465,8 +465,6 @@ class HybridMuonOptimizer(Optimizer):
                 except ValueError as err:
                     raise ValueError(f"{err} (in param_groups[{index}] at step(); nothing was changed)") from None
             check_gradients(self.param_groups)
-            if not self._adam_limit_logged:
-                self._log_adam_limit()
             shared = self._gate_all_ranks() if self.nonfinite_across_ranks else None
             # Every group's engine or loop first (each checks its parameters' sizes): a bad group stops the
             # step before any other group has taken it.
@@ -477,20 +475,21 @@ class HybridMuonOptimizer(Optimizer):
                     gates.append(loop.step_group(self.state, group, self.route_of, shared))
                 else:
                     gates.append(runner.step(group, shared))
+            if not self._adam_limit_logged:
+                self._log_adam_limit(gates)
             self._skips.count([gate for gate in gates if gate is not None])
         self._steps_taken += 1
         return loss
 
-    def _log_adam_limit(self) -> None:
+    def _log_adam_limit(self, gates: list[torch.Tensor | None]) -> None:
         """One log line, the first time a step is skipped for an Adam gradient above ``ADAM_GRAD_LIMIT``.
 
-        Read on the host for CPU gradients only: on a GPU reading them would make the host wait
-        for the device every step, so there the step is skipped silently, as for a NaN. A group
-        is looked at when its first parameter lives on the CPU: a GPU run pays one check per
-        group and step, not one per parameter.
+        Looks at the groups whose step was just skipped (``gates``: each group's finite gate) on the CPU,
+        where reading a gate costs nothing: a taken step pays nothing more. On a GPU reading one would
+        make the host wait for the device every step, so there the step is skipped silently, as for a NaN.
         """
-        for group in self.param_groups:
-            if not group["params"] or group["params"][0].device.type != "cpu":
+        for group, gate in zip(self.param_groups, gates, strict=True):
+            if gate is None or gate.device.type != "cpu" or bool(gate):
                 continue
             for p in group["params"]:
                 grad = p.grad

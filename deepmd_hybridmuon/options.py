@@ -33,7 +33,7 @@ class Option:
         What it does (the schema's and the README's text); for a removed option, what to do instead.
     scope
         ``"group"``: a param_group key; ``"optimizer"``: a setting of the whole optimizer;
-        ``"legacy"``: an input key of deepmd-kit < 3.2, mapped by :func:`.schema.resolve_legacy_keys`;
+        ``"legacy"``: an input key of deepmd-kit < 3.2, mapped by :func:`.validation.resolve_legacy_keys`;
         ``"removed"``: refused by name, with ``doc`` as the message.
     effect
         ``"build"``: fixed when a group's engine is built, a change rebuilds it; ``"step"``: read

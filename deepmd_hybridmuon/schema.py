@@ -1,4 +1,4 @@
-"""The ``optimizer`` section schema of type ``HybridMuon`` (dargs), and legacy-key mapping.
+"""The ``optimizer`` section schema of type ``HybridMuon`` (dargs).
 
 Its arguments are the rows of :data:`.options.OPTIONS` that are input keys, checked by the
 optimizer's own input checks (:func:`.validation.check_option`, so that ``dp check`` and the
@@ -26,10 +26,6 @@ HYBRID_MUON_DOC = (
     "shape with size-1 dimensions dropped: rank < 2 -> Adam; no matrix view in `muon_mode` -> "
     "AdamW; else Muon."
 )
-
-#: Keys of deepmd-kit < 3.2 HybridMuon inputs that deepmd's compat step still moves into the
-#: optimizer section; accepted with a DeprecationWarning and mapped by :func:`resolve_legacy_keys`.
-LEGACY_KEYS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.scope == "legacy")
 
 
 def _passes(option: Option, value: Any) -> bool:
@@ -59,38 +55,6 @@ def hybrid_muon_arguments() -> list[Argument]:
     filled in for an input without them).
     """
     return [_argument(row) for option in OPTIONS for row in option.items or (option,) if row.input_key]
-
-
-def resolve_legacy_keys(optimizer: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """Map the legacy keys of an optimizer section onto ``muon_mode``.
-
-    Parameters
-    ----------
-    optimizer
-        The optimizer section (normalised or not).
-
-    Returns
-    -------
-    tuple[dict[str, Any], list[str]]
-        A copy without the legacy keys (and ``muon_mode`` set where they ask it), and one
-        deprecation message per legacy key that was set.
-    """
-    out = {k: v for k, v in optimizer.items() if k not in LEGACY_KEYS}
-    messages: list[str] = []
-    only_2d = optimizer.get("muon_2d_only")
-    if only_2d is not None:
-        mode = "2d" if only_2d else "flat"
-        messages.append(
-            f"optimizer.muon_2d_only={only_2d!r} is deprecated since deepmd-kit 3.2; "
-            f'using muon_mode={mode!r}. Replace it with "muon_mode": "{mode}".'
-        )
-        out["muon_mode"] = mode
-    if optimizer.get("min_2d_dim") is not None:
-        messages.append(
-            f"optimizer.min_2d_dim={optimizer['min_2d_dim']!r} is deprecated since deepmd-kit 3.2 and "
-            "ignored: matrices are routed by shape and muon_mode. Remove it."
-        )
-    return out, messages
 
 
 def options_markdown() -> str:

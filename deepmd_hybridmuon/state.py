@@ -24,7 +24,7 @@ import torch
 from . import functional as F
 from .dtensor import is_dtensor, laid_out_like, local_shard
 from .options import OPTIMIZER_KEYS, OPTION
-from .validation import GROUP_KEYS, MISNAMED_KEYS, validate_group
+from .validation import GROUP_KEYS, MISNAMED_KEYS, resolve_legacy_keys, validate_group
 
 #: State of an Adam-routed parameter: all four keys, or none.
 ADAM_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "beta1_pow", "beta2_pow")
@@ -109,8 +109,9 @@ def written_by_hybridmuon(state_dict: Any) -> bool | None:
 def with_defaults(state_dict: Any) -> Any:
     """``state_dict`` as this version reads it (a copy where it differs): what it lacks at the defaults.
 
-    Each option its HybridMuon param_groups lack takes its default, and the deprecated keys an older
-    writer kept (:data:`~.validation.MISNAMED_KEYS`) are dropped: a checkpoint written before an option
+    Each option its HybridMuon param_groups lack takes its default, and the keys an older writer used
+    (:data:`~.validation.MISNAMED_KEYS`) are read as this version's (deepmd-kit 3.1's ``muon_2d_only``
+    as ``muon_mode``: :func:`~.validation.resolve_legacy_keys`): a checkpoint written before an option
     existed, or by deepmd's built-in, resumes instead of being taken for another optimizer's.
     Anything else is returned as it is.
     """
@@ -120,7 +121,9 @@ def with_defaults(state_dict: Any) -> Any:
     if all(set(GROUP_KEYS) <= set(g) and not set(MISNAMED_KEYS) & set(g) for g in groups):
         return state_dict
     defaults = {key: OPTION[key].default for key in GROUP_KEYS}
-    groups = [{**defaults, **{k: v for k, v in g.items() if k not in MISNAMED_KEYS}} for g in groups]
+    groups = [
+        {**defaults, **{k: v for k, v in resolve_legacy_keys(g)[0].items() if k not in MISNAMED_KEYS}} for g in groups
+    ]
     return {**state_dict, "param_groups": groups}
 
 

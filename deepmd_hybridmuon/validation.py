@@ -10,7 +10,7 @@ import difflib
 import functools
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,33 @@ _GROUP_KEY_SET = frozenset(GROUP_KEYS)
 #: Options that were removed, and what to do instead. The constructor, ``add_param_group`` and
 #: the schema (``dp check``, ``dp train``) refuse each by name with this text.
 REMOVED_KEYS: dict[str, str] = {option.name: option.doc for option in OPTIONS if option.scope == "removed"}
+#: Keys of deepmd-kit < 3.2's HybridMuon (its inputs and checkpoints); deepmd's compat step still moves them
+#: into the optimizer section. Accepted with a deprecation message and mapped by :func:`resolve_legacy_keys`.
+LEGACY_KEYS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.scope == "legacy")
+
+
+def resolve_legacy_keys(section: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """An optimizer section or saved param_group in this version's keys, and a message per legacy key set.
+
+    ``muon_2d_only`` becomes ``muon_mode`` (true: ``"2d"``, false: ``"flat"``); ``min_2d_dim`` is dropped
+    (matrices are routed by shape and ``muon_mode``). The result is a copy; ``section`` is not modified.
+    """
+    out = {k: v for k, v in section.items() if k not in LEGACY_KEYS}
+    messages: list[str] = []
+    only_2d = section.get("muon_2d_only")
+    if only_2d is not None:
+        mode = "2d" if only_2d else "flat"
+        messages.append(
+            f"optimizer.muon_2d_only={only_2d!r} is deprecated since deepmd-kit 3.2; "
+            f'using muon_mode={mode!r}. Replace it with "muon_mode": "{mode}".'
+        )
+        out["muon_mode"] = mode
+    if section.get("min_2d_dim") is not None:
+        messages.append(
+            f"optimizer.min_2d_dim={section['min_2d_dim']!r} is deprecated since deepmd-kit 3.2 and "
+            "ignored: matrices are routed by shape and muon_mode. Remove it."
+        )
+    return out, messages
 
 
 def check_removed(keys: Any) -> None:

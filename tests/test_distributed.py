@@ -305,7 +305,10 @@ def _zero_restart_refused() -> list[str]:
     param_groups). ZeroRedundancyOptimizer copies each state entry into the local optimizer itself,
     past its ``load_state_dict``: the checkpoint as written must load, and one with a group value
     the constructor refuses, or state of the wrong shape, must be refused before anything changes.
-    Returns, per case, "loaded" or the message and whether the local optimizer's state stayed empty.
+    So must deepmd-kit 3.1's (``muon_2d_only`` and ``min_2d_dim``, none of the later options), and the
+    input's settings (here ``momentum``) must stay in effect through ZeRO's steps, which copy its own groups
+    (the checkpoint's) into the local optimizer. Returns, per case, "loaded" (then the settings after a step)
+    or the message and whether the local optimizer's state stayed empty.
     """
     import types
 
@@ -332,16 +335,26 @@ def _zero_restart_refused() -> list[str]:
     bad_shape = copy.deepcopy(written)
     entry = next(e for e in bad_shape["state"].values() if "momentum_buffer" in e)
     entry["momentum_buffer"] = torch.zeros(3)
+    legacy = copy.deepcopy(written)  # as deepmd-kit 3.1 wrote its groups
+    for group in legacy["param_groups"]:
+        for key in ("muon_mode", "enable_gram", "magma_muon", "flash_muon", "nonfinite_across_ranks"):
+            group.pop(key, None)
+        group.update(muon_2d_only=False, min_2d_dim=1)
     messages = []
-    for checkpoint in (written, bad_group, bad_shape):
+    for checkpoint, momentum in ((written, 0.5), (bad_group, 0.95), (bad_shape, 0.95), (legacy, 0.95)):
         trainer = training.Trainer.__new__(training.Trainer)
+        kwargs["momentum"] = momentum  # the input file's
         trainer.optimizer, trainer.restart_training = zero(), True
         trainer.sharding = types.SimpleNamespace(stage=1, shards_parameters=False)
         try:
             trainer._load_optimizer_state(copy.deepcopy(checkpoint))
-            messages.append("loaded")
         except ValueError as err:
             messages.append(f"{err} | state left empty: {len(trainer.optimizer.optim.state) == 0}")
+            continue
+        set_grads([p for _, p in named], _full_grads(named, 1))
+        trainer.optimizer.step()
+        groups = trainer.optimizer.optim.param_groups + trainer.optimizer.param_groups
+        messages.append(f"loaded | momentum {sorted({g['momentum'] for g in groups})}")
     return messages
 
 
@@ -921,13 +934,15 @@ def test_zero1_accepts_deepmd_trainer_kwargs(run: _Run) -> None:
 def test_zero1_restart_checks_the_checkpoint_before_anything_changes(run: _Run) -> None:
     """ZeRO-1 copies the state into each rank's optimizer itself: the plugin checks it first.
 
-    Its own checkpoints load; bad ones are refused with nothing changed.
+    Its own checkpoints and deepmd-kit 3.1's load, and the input's settings win; bad ones are refused
+    with nothing changed.
     """
     for rank in (0, 1):
-        written, group, shape = run.result("zero", rank)["restart_refused"]
-        assert written == "loaded", written
+        written, group, shape, legacy = run.result("zero", rank)["restart_refused"]
+        assert written == "loaded | momentum [0.5]", written  # the input's, not the checkpoint's 0.95
         assert "momentum" in group and "1.5" in group and group.endswith("state left empty: True"), group
         assert "momentum_buffer" in shape and shape.endswith("state left empty: True"), shape
+        assert legacy == "loaded | momentum [0.95]", legacy
 
 
 def test_zero1_nan_skips_the_whole_step(run: _Run) -> None:

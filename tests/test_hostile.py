@@ -494,6 +494,25 @@ def test_a_state_dict_without_a_later_option_takes_its_default_and_keeps_its_sta
     assert torch.equal(momentum, saved["state"][0]["momentum_buffer"])
 
 
+@pytest.mark.parametrize(("only_2d", "mode"), [(True, "2d"), (False, "flat")])
+def test_a_deepmd_3_1_state_dict_keeps_its_routing_and_its_momentum(only_2d, mode):
+    """deepmd-kit 3.1 wrote ``muon_2d_only`` (and ``min_2d_dim``) where later versions write ``muon_mode``.
+
+    It is read as the checkpoint's ``muon_mode``, not the default, so its state matches the routing it was
+    written under.
+    """
+    saved = _stepped(_named()).state_dict()
+    for group in saved["param_groups"]:
+        del group["muon_mode"], group["magma_muon"], group["enable_gram"]
+        group.update(muon_2d_only=only_2d, min_2d_dim=1)
+    opt = HybridMuonOptimizer([p for _, p in _named()], lr=1e-2, named_parameters=_named())
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["muon_mode"] == mode
+    assert not {"muon_2d_only", "min_2d_dim"} & set(opt.param_groups[0])
+    momentum = next(entry["momentum_buffer"] for entry in opt.state.values() if "momentum_buffer" in entry)
+    assert torch.equal(momentum, saved["state"][0]["momentum_buffer"])
+
+
 def test_triton_interpret_in_the_environment_trains_on_the_cpu():
     """A user who sets TRITON_INTERPRET=1 to debug other kernels still trains: the package keeps the torch path."""
     import os

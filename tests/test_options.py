@@ -13,8 +13,8 @@ from test_parity import TORCH_MUON_TOL
 
 from deepmd_hybridmuon import HybridMuonOptimizer
 from deepmd_hybridmuon.options import GROUP_KEYS, OPTION, OPTIONS
-from deepmd_hybridmuon.schema import LEGACY_KEYS, hybrid_muon_arguments, options_markdown
-from deepmd_hybridmuon.validation import REMOVED_KEYS
+from deepmd_hybridmuon.schema import hybrid_muon_arguments, options_markdown
+from deepmd_hybridmuon.validation import LEGACY_KEYS, REMOVED_KEYS
 
 #: The input keys, each with its row (the items of a tuple option are input keys of their own).
 INPUT_ROWS = {row.name: row for option in OPTIONS for row in option.items or (option,) if row.input_key}

@@ -34,8 +34,7 @@ def test_entry_point_replaced_the_builtin_schema_once():
 def test_schema_keeps_every_builtin_key_and_default():
     from deepmd.utils.argcheck import normalize
 
-    from deepmd_hybridmuon.schema import LEGACY_KEYS
-    from deepmd_hybridmuon.validation import REMOVED_KEYS
+    from deepmd_hybridmuon.validation import LEGACY_KEYS, REMOVED_KEYS
 
     ours = {a.name: a for a in hybrid_muon_arguments()}
     expected_defaults = {
