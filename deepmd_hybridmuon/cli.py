@@ -129,7 +129,12 @@ def _check_extent(data: Any) -> None:
         if depth > MAX_DEPTH:
             raise CheckError(f"nests objects and lists more than {MAX_DEPTH} levels deep")
         if isinstance(node, dict):
-            long = next((key for key in node if isinstance(key, str) and len(key) > MAX_KEY_CHARS), None)
+            other = next((key for key in node if not isinstance(key, str)), None)
+            if other is not None:  # YAML reads on/off/yes/no as booleans and digits as numbers
+                raise CheckError(
+                    f"has a key {_short(other)} ({type(other).__name__}): keys are names; in YAML, quote it"
+                )
+            long = next((key for key in node if len(key) > MAX_KEY_CHARS), None)
             if long is not None:
                 raise CheckError(f"has a key {_short(long)}: keys are names of at most {MAX_KEY_CHARS:,} characters")
             stack.extend((value, depth + 1) for value in node.values())
@@ -343,8 +348,8 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
     return jdata, messages, shared_links
 
 
-def _validate_optimizer(section: dict[str, Any]) -> None:
-    """Build the optimizer's defaults through its own validation (no parameters needed)."""
+def _validate_optimizer(section: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's defaults, built through its own validation (no parameters needed; choices lower-cased)."""
     from .optimizer import HybridMuonOptimizer
     from .options import OPTIONS
 
@@ -352,9 +357,12 @@ def _validate_optimizer(section: dict[str, Any]) -> None:
     keywords = {o.name: section[o.name] for o in OPTIONS if o.input_key and o.scope in ("group", "optimizer")}
     probe = [{"params": [], "lr": 0.0}]
     try:
-        HybridMuonOptimizer(probe, adam_betas=(section["adam_beta1"], section["adam_beta2"]), **keywords)
+        probe_optimizer = HybridMuonOptimizer(
+            probe, adam_betas=(section["adam_beta1"], section["adam_beta2"]), **keywords
+        )
     except ValueError as err:
         raise CheckError(f"[at location `optimizer`] {err}") from err
+    return probe_optimizer.defaults
 
 
 # ------------------------------------------------------------------------- routing
@@ -549,11 +557,26 @@ ADAM_LR_BELOW = 5e-3
 MUON_LR_FACTOR = 10
 
 
-def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float]:
-    """One line on the learning rate (deepmd's own schedule, as its trainer builds it) and ``start_lr``."""
+def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float, list[tuple[str, float]]]:
+    """One line on the learning rate (deepmd's own schedule, as its trainer builds it), ``start_lr``, and the rates.
+
+    The rates: ``(when, lr)`` of the first and last step where the steps are known; with ``num_epoch``
+    dp train counts them from the data, which the check does not load.
+    """
     from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
 
-    section, steps = jdata["learning_rate"], int(jdata["training"]["numb_steps"])
+    if not isinstance(jdata.get("learning_rate"), dict):
+        raise CheckError("no `learning_rate` section: dp train needs one (see `dp doc-train-input`)")
+    section, training = jdata["learning_rate"], jdata["training"]
+    if "numb_steps" not in training:
+        epochs = training.get("numb_epoch", training.get("num_epoch_dict"))
+        start = float(section.get("start_lr", 0.0))
+        line = (
+            f"learning rate: {section.get('type', 'exp')}, start_lr {start:g}, over training.num_epoch "
+            f"{epochs!r} (dp train counts the steps from the data)"
+        )
+        return line, start, [(f"start_lr {start:g}", start)]
+    steps = int(training["numb_steps"])
     try:
         schedule = make_learning_rate_schedule(section, steps)
         first, last = float(schedule.value(0)), float(schedule.value(max(steps - 1, 0)))
@@ -570,7 +593,9 @@ def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float]:
         line += f"; decays every {section['decay_steps']:,} steps"
     if schedule.warmup_steps:
         line += f"; warm-up over the first {schedule.warmup_steps:,} steps"
-    return line, float(schedule.start_lr)
+    last_step = max(steps - 1, 0)
+    rates = [(f"lr {first:g} at step 0", first), (f"lr {last:g} at step {last_step:,}", last)]
+    return line, float(schedule.start_lr), rates
 
 
 def lr_hint(start_lr: float) -> str | None:
@@ -600,14 +625,22 @@ def check_input(
     Returns the normalised input. Raises :class:`CheckError` with the key path, the bad value
     and what is allowed.
     """
+    from .options import OPTION
+    from .validation import check_option
+
     out = sys.stdout if out is None else out
     jdata, messages, shared_links = _normalize(_load(path))
-    lr_line, start_lr = _lr_schedule(jdata)
+    lr_line, start_lr, lrs = _lr_schedule(jdata)
     section = jdata.get("optimizer", {})
     hybrid = section.get("type") == "HybridMuon"
     rows: list[Row] = []
     if hybrid:
-        _validate_optimizer(section)
+        section["muon_mode"] = _validate_optimizer(section)["muon_mode"]  # as dp train reads it: lower case
+        for when, lr in lrs:
+            try:
+                check_option(OPTION["lr"], lr)
+            except ValueError as err:
+                raise CheckError(f"[at location `learning_rate`] the schedule gives {when}: {err}") from None
         if routing:
             rows = _routing_rows(jdata["model"], shared_links, section["muon_mode"])
         device = _training_device()

@@ -116,9 +116,9 @@ def revalidate(group: dict[str, Any], before: tuple | None) -> tuple:
     :meth:`HybridMuonOptimizer.step` calls it for every group and step: what a scheduler writes each
     step (the learning rate) costs one number's check. Another tensor counts as a change without
     being compared (reading a GPU tensor would make the host wait); another set of keys checks the
-    whole group again.
+    whole group again. A list (``adam_betas``) is kept as a tuple: changed in place, it differs.
     """
-    values = tuple(map(group.get, GROUP_KEYS))
+    values = tuple(tuple(v) if isinstance(v, list) else v for v in map(group.get, GROUP_KEYS))
     others = group.keys() - _GROUP_KEY_SET
     if before is None or before[1] != others:
         validate_group(group)

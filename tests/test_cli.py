@@ -662,6 +662,22 @@ def _hostile(kind: str, tmp_path: Path) -> Path:
     elif kind == "warmup_beyond_numb_steps":
         config["learning_rate"]["warmup_steps"] = config["training"]["numb_steps"]
         path.write_text(json.dumps(config))
+    elif kind == "yaml_boolean_key":  # YAML 1.1 reads an unquoted `on` as true
+        path = tmp_path / "input.yaml"
+        path.write_text(yaml.safe_dump(config).replace("optimizer:\n", "optimizer:\n  on: 1\n", 1))
+    elif kind == "muon_mode_upper_case":
+        config["optimizer"]["muon_mode"] = "Flat"
+        path.write_text(json.dumps(config))
+    elif kind == "num_epoch":
+        config["training"]["num_epoch"] = 2
+        del config["training"]["numb_steps"]
+        path.write_text(json.dumps(config))
+    elif kind == "no_learning_rate":
+        del config["learning_rate"]
+        path.write_text(json.dumps(config))
+    elif kind == "stop_lr_inf":
+        config["learning_rate"]["stop_lr"] = float("inf")
+        path.write_text(json.dumps(config))
     elif kind in ("opt_type", "opt_type_and_bad_muon_mode"):
         config["training"]["opt_type"] = "Adam"
         if kind == "opt_type_and_bad_muon_mode":
@@ -675,8 +691,15 @@ def _hostile(kind: str, tmp_path: Path) -> Path:
 #: (kind, exit status, what the output holds). Each row failed on the code before its fix: the FIFO hung, /dev/zero
 #: and the alias bomb ran out of memory, the 10,000 levels raised RecursionError (a traceback), the long value was
 #: echoed whole, the multi-task input was refused (type_map 'type_map_all' not a list), the opt_type contradiction
-#: was a warning with exit 0 and, with another error, was left out, a warm-up longer than the run passed.
+#: was a warning with exit 0 and, with another error, was left out, a warm-up longer than the run passed; the YAML
+#: boolean key, the upper-case muon_mode (dp train accepts it), num_epoch (dp train too) and the missing schedule
+#: were tracebacks, an infinite stop_lr passed (dp train refused it at its first step).
 HOSTILE = [
+    ("yaml_boolean_key", 1, "has a key True (bool): keys are names; in YAML, quote it"),
+    ("muon_mode_upper_case", 0, "routing (muon_mode='flat'):"),
+    ("num_epoch", 0, "start_lr 0.03, over training.num_epoch 2 (dp train counts the steps from the data)"),
+    ("no_learning_rate", 1, "no `learning_rate` section: dp train needs one"),
+    ("stop_lr_inf", 1, "[at location `learning_rate`] the schedule gives lr inf at step 0: Invalid lr: inf; expected"),
     ("fifo", 1, "is a named pipe (FIFO), not a regular file"),
     ("dev_zero", 1, "is a character device, not a regular file"),
     ("too_large", 1, f"is {MAX_INPUT_BYTES + 1:,} bytes, more than the {MAX_INPUT_BYTES:,} bytes dp check reads"),

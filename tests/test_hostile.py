@@ -457,6 +457,18 @@ def test_a_bad_value_written_into_a_group_stops_the_step_before_anything_changes
     assert all(torch.isfinite(p).all() and not torch.equal(p, q) for p, q in zip(params, before, strict=True))
 
 
+def test_a_list_of_betas_changed_in_place_is_checked_at_the_next_step():
+    """``adam_betas`` given as a list stays the group's object: a change in place is a change all the same."""
+    w, b = torch.nn.Parameter(torch.randn(4, 5)), torch.nn.Parameter(torch.ones(5))
+    opt = HybridMuonOptimizer([w], lr=1e-2)
+    opt.add_param_group({"params": [b], "adam_betas": [0.9, 0.95]})
+    w.grad, b.grad = torch.randn(4, 5), torch.ones(5)
+    opt.step()
+    opt.param_groups[1]["adam_betas"][1] = 1.0
+    with pytest.raises(ValueError, match=re.escape("Invalid adam_betas[1]: 1.0; expected a value in [0, 1)")):
+        opt.step()
+
+
 IMPOSSIBLE_STATE = [
     ("negative-second-moment", ("state", 1, "exp_avg_sq"), -torch.ones(4), "state exp_avg_sq of parameter 1"),
     ("huge-first-moment", ("state", 1, "exp_avg"), torch.full((4,), 3e38), "state exp_avg of parameter 1"),
