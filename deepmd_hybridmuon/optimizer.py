@@ -43,7 +43,7 @@ KERNELS_IN_USE_LOG = "Triton kernels in use from step %d of this run"
 #: The log line of the first skipped steps (tests and benchmarks may read it).
 SKIPPED_LOG = (
     "steps skipped: %d of the first %d param_group steps (a gradient was NaN or inf, or too large for the "
-    "arithmetic); a skipped group keeps its parameters and state. Logged once"
+    "arithmetic); a skipped group keeps its parameters, moments and momentum. Logged once"
 )
 #: The settings and group keys a group's engine is built from (the options that take effect at "build").
 _BUILD_SETTINGS: tuple[str, ...] = tuple(key for key in SETTINGS if OPTION[key].effect == "build")
@@ -215,8 +215,8 @@ class HybridMuonOptimizer(Optimizer):
 
     Differences from the built-in, all fixes: float64 models resume (moments are cast
     back to float32 after ``load_state_dict``); ``add_param_group`` works after the
-    first step; every hyperparameter is validated here with a ``ValueError``; size-0,
-    frozen and grad-less parameters are skipped; no ``torch.compile`` (no seconds of
+    first step; every hyperparameter is validated here with a ``ValueError``; size-0
+    parameters and those without a gradient (frozen ones) are skipped; no ``torch.compile`` (no seconds of
     compilation at the first step) and no import-time side effects; a step whose
     gradients hold NaN or inf, or elements too large for the arithmetic (2^127 and more; 2^63
     and more on an Adam route), is skipped (parameters and state unchanged, decided on the
@@ -432,20 +432,28 @@ class HybridMuonOptimizer(Optimizer):
         """Load a state dict of this optimizer or of deepmd-kit's built-in one.
 
         torch casts floating state to each parameter's dtype; the Adam moments and
-        Magma scores are cast back to float32 here, so float64 models resume.
+        Magma scores are float32 again here, so float64 models resume, and a float16 or
+        bfloat16 model's are taken from the saved tensors (the cast lost their bits: an
+        ``exp_avg_sq`` above 65504 became inf).
 
         Everything is checked first (:func:`deepmd_hybridmuon.state.check_state_dict`): a state
         dict of another optimizer, group values the constructor would refuse, or state of the
         wrong keys, shape or dtype raise a ``ValueError`` and leave this optimizer as it was. An
         option the writer did not have (an older version, deepmd's built-in) takes its default.
         """
-        super().load_state_dict(check_state_dict(state_dict, self.param_groups, self._describe))
+        checked = check_state_dict(state_dict, self.param_groups, self._describe)
+        super().load_state_dict(checked)
         self._state_version += 1
-        for state in self.state.values():
+        saved_ids = [i for group in checked["param_groups"] for i in group["params"]]  # paired by position, as torch
+        for i, p in zip(saved_ids, [p for group in self.param_groups for p in group["params"]], strict=True):
+            state, saved = self.state.get(p, {}), checked["state"].get(i, {})
             for key in _FLOAT32_STATE:
                 value = state.get(key)
-                if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
-                    state[key] = value.to(torch.float32)
+                if not isinstance(value, torch.Tensor) or value.dtype == torch.float32:
+                    continue
+                if p.dtype.itemsize < 4:
+                    value = saved[key].to(device=value.device, copy=True)
+                state[key] = value.to(torch.float32)
 
     # -------------------------------------------------------------------- step
 

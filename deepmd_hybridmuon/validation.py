@@ -114,9 +114,10 @@ def revalidate(group: dict[str, Any], before: tuple | None) -> tuple:
     """Check what changed in ``group`` since the snapshot ``before`` (all of it when ``None``); the new snapshot.
 
     :meth:`HybridMuonOptimizer.step` calls it for every group and step: what a scheduler writes each
-    step (the learning rate) costs one number's check. Another tensor counts as a change without
-    being compared (reading a GPU tensor would make the host wait); another set of keys checks the
-    whole group again. A list (``adam_betas``) is kept as a tuple: changed in place, it differs.
+    step (the learning rate) costs one number's check. A tensor is checked every step: torch's
+    schedulers change a tensor learning rate in place (``fill_``), and the step reads its value
+    anyway. Another set of keys checks the whole group again. A list (``adam_betas``) is kept as a
+    tuple: changed in place, it differs.
     """
     values = tuple(tuple(v) if isinstance(v, list) else v for v in map(group.get, GROUP_KEYS))
     others = group.keys() - _GROUP_KEY_SET
@@ -125,7 +126,7 @@ def revalidate(group: dict[str, Any], before: tuple | None) -> tuple:
         return values, others
     for key, old, new in zip(GROUP_KEYS, before[0], values, strict=True):
         # a checked value is never NaN, so a NaN always differs
-        if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor) or old != new):
+        if isinstance(new, torch.Tensor) or (old is not new and (isinstance(old, torch.Tensor) or old != new)):
             if key not in group:
                 validate_group(group)  # says which key is missing
             check_option(OPTION[key], new)

@@ -469,6 +469,19 @@ def test_a_list_of_betas_changed_in_place_is_checked_at_the_next_step():
         opt.step()
 
 
+def test_a_tensor_learning_rate_changed_in_place_is_checked_at_the_next_step():
+    """torch's schedulers write a tensor learning rate with ``fill_``: the same object, another value."""
+    w = torch.nn.Parameter(torch.randn(4, 5))
+    opt = HybridMuonOptimizer([w], lr=torch.tensor(1e-2))
+    w.grad = torch.randn(4, 5)
+    opt.step()
+    before = w.detach().clone()
+    opt.param_groups[0]["lr"].fill_(float("nan"))
+    with pytest.raises(ValueError, match=re.escape("Invalid lr: tensor(nan); expected a finite number")):
+        opt.step()
+    assert torch.equal(w, before)
+
+
 IMPOSSIBLE_STATE = [
     ("negative-second-moment", ("state", 1, "exp_avg_sq"), -torch.ones(4), "state exp_avg_sq of parameter 1"),
     ("huge-first-moment", ("state", 1, "exp_avg"), torch.full((4,), 3e38), "state exp_avg of parameter 1"),
@@ -523,6 +536,28 @@ def test_a_deepmd_3_1_state_dict_keeps_its_routing_and_its_momentum(only_2d, mod
     assert not {"muon_2d_only", "min_2d_dim"} & set(opt.param_groups[0])
     momentum = next(entry["momentum_buffer"] for entry in opt.state.values() if "momentum_buffer" in entry)
     assert torch.equal(momentum, saved["state"][0]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_model_resumes_with_its_float32_moments_and_scores(dtype):
+    """torch casts the loaded state to each parameter's dtype: float16 made an exp_avg_sq above 65504 inf."""
+    w, b = torch.nn.Parameter(torch.randn(8, 16).to(dtype)), torch.nn.Parameter(torch.zeros(16, dtype=dtype))
+    opt = HybridMuonOptimizer([w, b], lr=1e-3, named_parameters=[("w", w), ("bias", b)])
+    for _ in range(2):
+        w.grad, b.grad = torch.randn(8, 16).to(dtype), torch.full((16,), 3000.0, dtype=dtype)
+        opt.step()
+    saved = opt.state_dict()
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    opt.load_state_dict(torch.load(buffer))
+    kept = [(p, key) for p in (w, b) for key in ("exp_avg", "exp_avg_sq", "magma_score") if key in opt.state[p]]
+    assert len(kept) == 3  # both moments of the bias, the score of the matrix
+    for p, key in kept:
+        assert torch.equal(opt.state[p][key], saved["state"][int(p is b)][key]), key  # bit for bit, float32
+    w.grad, b.grad = torch.randn(8, 16).to(dtype), torch.full((16,), 3000.0, dtype=dtype)
+    opt.step()
+    assert torch.isfinite(b).all()
 
 
 def test_triton_interpret_in_the_environment_trains_on_the_cpu():
