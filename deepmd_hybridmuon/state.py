@@ -240,9 +240,16 @@ def follow_shape(entry: dict[str, Any], keys: tuple[str, ...], p: torch.Tensor) 
             entry[key] = value.reshape(p.shape)
 
 
+def _follow_rule(entry: dict[str, Any], key: str) -> None:
+    """Drop from ``entry`` the state of the other rule than ``key``'s: the route changed (another muon_mode)."""
+    for other in MUON_STATE if key in ADAM_STATE else ADAM_STATE:
+        entry.pop(other, None)
+
+
 def advance_adam_state(state: dict, p: torch.Tensor, settings: F.GroupSettings) -> dict[str, Any]:
     """The Adam state of ``p`` (created at the first step: float32 moments) with this step's powers beta^t."""
     entry = state[p]
+    _follow_rule(entry, "exp_avg")
     follow_shape(entry, ("exp_avg", "exp_avg_sq"), p)
     if "exp_avg" not in entry:
         entry["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
@@ -260,6 +267,7 @@ def muon_state(state: dict, p: torch.Tensor, grad: torch.Tensor, batch: int | No
     afresh at :data:`~.functional.MAGMA_INITIAL_SCORE` when the view changed.
     """
     entry = state[p]
+    _follow_rule(entry, "momentum_buffer")
     follow_shape(entry, ("momentum_buffer",), p)
     if "momentum_buffer" not in entry:
         entry["momentum_buffer"] = torch.zeros_like(grad)
@@ -288,6 +296,7 @@ def adopt(
     state of an FSDP2 parameter stays a DTensor laid out like it, ``views`` holding its local shards.
     """
     for p, view in zip(params, views, strict=True):
+        _follow_rule(state[p], key)
         if reshape:
             follow_shape(state[p], (key,), p)
         old = state[p].get(key)

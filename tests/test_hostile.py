@@ -482,6 +482,20 @@ def test_a_tensor_learning_rate_changed_in_place_is_checked_at_the_next_step():
     assert torch.equal(w, before)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("first", "then", "kept"), [("slice", "2d", "exp_avg"), ("2d", "slice", "momentum_buffer")])
+def test_a_route_changed_between_steps_keeps_one_rule_and_a_loadable_checkpoint(implementation, first, then, kept):
+    """A 3-D weight is Muon's under "slice" and AdamW's under "2d": the rule it leaves takes its state along."""
+    w = torch.nn.Parameter(torch.randn(4, 8, 8))
+    opt = make_optimizer([w], implementation, lr=1e-2, muon_mode=first)
+    for mode in (first, then):
+        opt.param_groups[0]["muon_mode"] = mode
+        w.grad = torch.randn(4, 8, 8)
+        opt.step()
+    assert kept in opt.state[w] and not {"exp_avg", "momentum_buffer"} - {kept} & set(opt.state[w])
+    HybridMuonOptimizer([torch.nn.Parameter(w.detach().clone())], muon_mode=then).load_state_dict(opt.state_dict())
+
+
 IMPOSSIBLE_STATE = [
     ("negative-second-moment", ("state", 1, "exp_avg_sq"), -torch.ones(4), "state exp_avg_sq of parameter 1"),
     ("huge-first-moment", ("state", 1, "exp_avg"), torch.full((4,), 3e38), "state exp_avg of parameter 1"),
