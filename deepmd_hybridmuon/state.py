@@ -36,6 +36,9 @@ _PARAM_SHAPED: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 #: every version: groups without one were written by another optimizer. Any other option a group lacks
 #: takes its default (:func:`with_defaults`): the writer had no such option.
 SIGNATURE_KEYS: tuple[str, ...] = ("lr", "momentum", "adam_betas")
+#: And each names its routing: ``muon_mode`` (deepmd-kit 3.2, this package) or ``muon_2d_only`` (3.1). deepmd's
+#: AdaMuon has the three keys above, and no routing key.
+ROUTING_KEYS: tuple[str, ...] = ("muon_mode", "muon_2d_only")
 #: What a real run can write into each state tensor: ``[low, high]``. Adam's gradients stay below
 #: ``ADAM_GRAD_LIMIT`` (larger ones skip the step), so do its first moment and the square root of its
 #: second; every Muon gradient stays below ``GRAD_LIMIT``, and so does the momentum, a blend of them.
@@ -103,7 +106,13 @@ def written_by_hybridmuon(state_dict: Any) -> bool | None:
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     if not isinstance(groups, Sequence) or not groups or not all(isinstance(g, Mapping) for g in groups):
         return None
-    return all(set(SIGNATURE_KEYS) <= set(g) for g in groups)
+    return all(not _lacks(g) for g in groups)
+
+
+def _lacks(group: Mapping[str, Any]) -> list[str]:
+    """The keys every HybridMuon param_group has (:data:`SIGNATURE_KEYS`, a routing key) that ``group`` lacks."""
+    missing = [k for k in SIGNATURE_KEYS if k not in group]
+    return missing if any(k in group for k in ROUTING_KEYS) else [*missing, ROUTING_KEYS[0]]
 
 
 def with_defaults(state_dict: Any) -> Any:
@@ -131,7 +140,7 @@ def _check_group(index: int, saved: Any, count: int) -> None:
     where = f"param_groups[{index}]"
     if not isinstance(saved, Mapping):
         raise ValueError(f"Invalid {where}: {type(saved).__name__}; expected a mapping")
-    if missing := [k for k in SIGNATURE_KEYS if k not in saved]:
+    if missing := _lacks(saved):
         raise ValueError(
             f"Invalid {where}: lacks the HybridMuon keys {missing}; not a HybridMuon state dict "
             f"(expected the keys {list(GROUP_KEYS)})"

@@ -155,14 +155,19 @@ def test_pt_expt_backend_trains_and_restarts_with_our_optimizer(workdir):
     assert _lcurve(run_dir / "lcurve.out")[-1, 0] == 20
 
 
-@pytest.mark.parametrize(("first", "then"), [("AdamW", "HybridMuon"), ("HybridMuon", "AdamW")])
+@pytest.mark.parametrize(
+    ("first", "then"), [("AdamW", "HybridMuon"), ("HybridMuon", "AdamW"), ("AdaMuon", "HybridMuon")]
+)
 def test_restart_from_another_optimizers_checkpoint_starts_the_optimizer_afresh(workdir, first, then):
-    """--restart with another optimizer type than the checkpoint's: fresh optimizer state, one log line, no crash."""
+    """--restart with another optimizer type than the checkpoint's: fresh optimizer state, one log line, no crash.
+
+    deepmd's AdaMuon writes lr, momentum and adam_betas too (it was taken for HybridMuon and refused).
+    """
 
     def config(steps: int, kind: str) -> dict:
         out = _input(workdir, steps)
-        if kind == "AdamW":
-            out["optimizer"] = {"type": "AdamW"}
+        if kind != "HybridMuon":
+            out["optimizer"] = {"type": kind}
             out["learning_rate"]["start_lr"] = 1e-3
         return out
 

@@ -520,6 +520,19 @@ def test_state_no_run_can_write_is_refused(implementation, case, path, value, me
         assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][kk])) for kk, v in entry.items())
 
 
+def test_deepmds_adamuon_state_dict_is_another_optimizers():
+    """AdaMuon's groups have lr, momentum and adam_betas too, and no routing key: not taken for HybridMuon's."""
+    from deepmd.pt.optimizer import AdaMuonOptimizer
+
+    from deepmd_hybridmuon.state import written_by_hybridmuon
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    saved = AdaMuonOptimizer([w]).state_dict()
+    assert written_by_hybridmuon(saved) is False
+    with pytest.raises(ValueError, match=re.escape("lacks the HybridMuon keys ['muon_mode']")):
+        HybridMuonOptimizer([w]).load_state_dict(saved)
+
+
 def test_a_state_dict_without_a_later_option_takes_its_default_and_keeps_its_state():
     """A checkpoint written before an option existed (or by the built-in) resumes with the option's default."""
     named = _named()
