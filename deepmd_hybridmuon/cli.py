@@ -213,6 +213,20 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
     return error, messages
 
 
+def legacy_conflicts(input_file: str | None) -> list[str]:
+    """What ``dp check`` says of ``input_file``'s legacy optimizer keys that contradict its optimizer section.
+
+    For ``dp train``'s log, which deepmd-kit leaves silent (its conversion lets the legacy key win); nothing
+    for a file that does not read as an input.
+    """
+    with contextlib.suppress(CheckError):
+        jdata = _load(input_file) if input_file else None
+        if isinstance(jdata, dict) and all(isinstance(jdata.get(s), dict) for s in ("optimizer", "training")):
+            error, messages = _legacy_conflicts(jdata)
+            return [error, *messages] if error else messages
+    return []
+
+
 def _with_value(message: str, path: str, jdata: dict[str, Any], training: set[str]) -> str:
     """Append the offending value to a dargs message (dargs names the key but not the value).
 

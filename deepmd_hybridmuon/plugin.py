@@ -419,13 +419,16 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
         off = _disabled()  # dp is deepmd-kit's own, only its check says why there is none
         if parser is None or (off and command != "check"):
             return original(args)
-        from .cli import optimizer_error, run_check  # already imported by _dp_parser
+        from .cli import legacy_conflicts, optimizer_error, run_check  # already imported by _dp_parser
 
         if command not in (None, "check"):
             # deepmd-kit's `dp train` lets dargs' error end the process in a traceback: an optimizer section
             # that fails our schema ends with dp check's message instead, exit 1.
             from dargs.dargs import ArgumentError
 
+            if command == "train":  # deepmd-kit lets a contradicting legacy key win without a word
+                for message in legacy_conflicts(getattr(parser.parse_known_args(argv)[0], "INPUT", None)):
+                    log.warning(message)
             try:
                 return original(args)
             except ArgumentError as err:

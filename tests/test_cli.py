@@ -424,6 +424,7 @@ def test_dp_check_is_dp_hybridmuon_check(inputs, capsys, backend, kind, table):
 
 @pytest.mark.slow
 def test_dp_train_with_a_bad_optimizer_value_ends_in_one_line_not_a_traceback(tmp_path):
+    """And a legacy optimizer key that contradicts the optimizer section is named (deepmd-kit lets it win)."""
     config = _example()
     config["optimizer"]["muon_mode"] = "3d"
     proc = _run([DP, "--pt", "train", _write(tmp_path, config)], cwd=tmp_path)
@@ -437,6 +438,10 @@ def test_dp_train_with_a_bad_optimizer_value_ends_in_one_line_not_a_traceback(tm
     config["model"]["descriptor"]["rcut"] = "far"  # not the optimizer's: deepmd-kit's own error, as before
     proc = _run([DP, "--pt", "train", _write(tmp_path, config)], cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "key `rcut`" in proc.stderr
+    # a legacy key that contradicts the optimizer section wins in deepmd-kit's conversion: dp train says so first
+    config["training"]["momentum"] = 0.5
+    proc = _run([DP, "--pt", "train", _write(tmp_path, config)], cwd=tmp_path)
+    assert "training.momentum=0.5 and optimizer.momentum=0.95 are both set" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
