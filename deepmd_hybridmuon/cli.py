@@ -129,11 +129,10 @@ def _check_extent(data: Any) -> None:
         if depth > MAX_DEPTH:
             raise CheckError(f"nests objects and lists more than {MAX_DEPTH} levels deep")
         if isinstance(node, dict):
-            other = next((key for key in node if not isinstance(key, str)), None)
-            if other is not None:  # YAML reads on/off/yes/no as booleans and digits as numbers
-                raise CheckError(
-                    f"has a key {_short(other)} ({type(other).__name__}): keys are names; in YAML, quote it"
-                )
+            others = [key for key in node if not isinstance(key, str)]  # YAML: on/off/yes/no, digits, ~
+            if others:
+                kind = type(others[0]).__name__
+                raise CheckError(f"has a key {_short(others[0])} ({kind}): keys are names; in YAML, quote it")
             long = next((key for key in node if len(key) > MAX_KEY_CHARS), None)
             if long is not None:
                 raise CheckError(f"has a key {_short(long)}: keys are names of at most {MAX_KEY_CHARS:,} characters")
@@ -584,12 +583,13 @@ def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float, list[tuple[str, flo
     section, training = jdata["learning_rate"], jdata["training"]
     if "numb_steps" not in training:
         epochs = training.get("numb_epoch", training.get("num_epoch_dict"))
-        start = float(section.get("start_lr", 0.0))
+        ends = {key: float(section[key]) for key in ("start_lr", "stop_lr") if key in section}
+        start = ends.get("start_lr", 0.0)
         line = (
-            f"learning rate: {section.get('type', 'exp')}, start_lr {start:g}, over training.num_epoch "
+            f"learning rate: {section.get('type', 'exp')}, start_lr {start:g}, over training.num_epoch(_dict) "
             f"{epochs!r} (dp train counts the steps from the data)"
         )
-        return line, start, [(f"start_lr {start:g}", start)]
+        return line, start, [(f"{key} {value:g}", value) for key, value in ends.items()]
     steps = int(training["numb_steps"])
     try:
         schedule = make_learning_rate_schedule(section, steps)
@@ -654,7 +654,10 @@ def check_input(
             try:
                 check_option(OPTION["lr"], lr)
             except ValueError as err:
-                raise CheckError(f"[at location `learning_rate`] the schedule gives {when}: {err}") from None
+                given = ", ".join(
+                    f"{k} {jdata['learning_rate'][k]!r}" for k in ("start_lr", "stop_lr") if k in jdata["learning_rate"]
+                )
+                raise CheckError(f"[at location `learning_rate`] the schedule ({given}) gives {when}: {err}") from None
         if routing:
             rows = _routing_rows(jdata["model"], shared_links, section["muon_mode"])
         device = _training_device()

@@ -219,7 +219,7 @@ class HybridMuonOptimizer(Optimizer):
     parameters and those without a gradient (frozen ones) are skipped; no ``torch.compile`` (no seconds of
     compilation at the first step) and no import-time side effects; a step whose
     gradients hold NaN or inf, or elements too large for the arithmetic (2^127 and more; 2^63
-    and more on an Adam route), is skipped (parameters and state unchanged, decided on the
+    and more on an Adam route), is skipped (parameters, moments, momentum and Magma scores unchanged, decided on the
     device; see :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor)
     parameters work, each Muon matrix orthogonalised once, on one owner rank
     (:mod:`deepmd_hybridmuon.distributed`); under DDP every replica takes the whole step,

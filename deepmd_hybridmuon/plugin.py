@@ -267,18 +267,18 @@ def patch_trainer(module: Any) -> None:
             return None
         if not ours:
             return load(self, *args, **kwargs)
+        zero = local is not self.optimizer
         if saved is not None and restart:
             # The checkpoint as this version reads it (an older writer's keys mapped, what it lacks at the
             # defaults). ZeRO-1 copies it into this rank's optimizer itself, past our load_state_dict's
             # checks: the same checks first, against every parameter (ZeRO's own param_groups).
-            zero = local is not self.optimizer
             saved = (
                 check_state_dict(saved, self.optimizer.param_groups, local._describe) if zero else with_defaults(saved)
             )
         before = [{k: g[k] for k in GROUP_KEYS if k != "lr"} for g in local.param_groups]
         load(self, saved)
         _input_wins(local, before)
-        if local is not self.optimizer:  # ZeRO-1's step copies its own groups (the checkpoint's) into this rank's
+        if zero:  # ZeRO-1's step copies its own groups (the checkpoint's) into this rank's optimizer
             for outer, inner, wanted in zip(self.optimizer.param_groups, local.param_groups, before, strict=True):
                 outer.update({key: inner[key] for key in wanted})
         problems = local.state_routing_mismatches()

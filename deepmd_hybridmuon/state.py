@@ -118,9 +118,9 @@ def _lacks(group: Mapping[str, Any]) -> list[str]:
 def with_defaults(state_dict: Any) -> Any:
     """``state_dict`` as this version reads it (a copy where it differs): what it lacks at the defaults.
 
-    Each option its HybridMuon param_groups lack takes its default, and the keys an older writer used
-    (:data:`~.validation.MISNAMED_KEYS`) are read as this version's (deepmd-kit 3.1's ``muon_2d_only``
-    as ``muon_mode``: :func:`~.validation.resolve_legacy_keys`): a checkpoint written before an option
+    Each option its HybridMuon param_groups lack takes its default; deepmd-kit 3.1's ``muon_2d_only`` is
+    read as ``muon_mode`` (:func:`~.validation.resolve_legacy_keys`) and the other keys of
+    :data:`~.validation.MISNAMED_KEYS` are dropped: a checkpoint written before an option
     existed, or by deepmd's built-in, resumes instead of being taken for another optimizer's.
     Anything else is returned as it is.
     """

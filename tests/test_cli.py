@@ -439,9 +439,10 @@ def test_dp_train_with_a_bad_optimizer_value_ends_in_one_line_not_a_traceback(tm
     proc = _run([DP, "--pt", "train", _write(tmp_path, config)], cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "key `rcut`" in proc.stderr
     # a legacy key that contradicts the optimizer section wins in deepmd-kit's conversion: dp train says so first
-    config["training"]["momentum"] = 0.5
+    config["training"].update(momentum=0.5, opt_type="AdamW")
     proc = _run([DP, "--pt", "train", _write(tmp_path, config)], cwd=tmp_path)
     assert "training.momentum=0.5 and optimizer.momentum=0.95 are both set" in proc.stderr, proc.stderr[-2000:]
+    assert "so dp train would use the 'AdamW' optimizer, not 'HybridMuon'" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -670,6 +671,14 @@ def _hostile(kind: str, tmp_path: Path) -> Path:
     elif kind == "yaml_boolean_key":  # YAML 1.1 reads an unquoted `on` as true
         path = tmp_path / "input.yaml"
         path.write_text(yaml.safe_dump(config).replace("optimizer:\n", "optimizer:\n  on: 1\n", 1))
+    elif kind == "yaml_null_key":
+        path = tmp_path / "input.yaml"
+        path.write_text(yaml.safe_dump(config).replace("optimizer:\n", "optimizer:\n  ~: 1\n", 1))
+    elif kind == "stop_lr_inf_num_epoch":
+        config["learning_rate"]["stop_lr"] = float("inf")
+        config["training"]["num_epoch"] = 2
+        del config["training"]["numb_steps"]
+        path.write_text(json.dumps(config))
     elif kind == "muon_mode_upper_case":
         config["optimizer"]["muon_mode"] = "Flat"
         path.write_text(json.dumps(config))
@@ -702,9 +711,16 @@ def _hostile(kind: str, tmp_path: Path) -> Path:
 HOSTILE = [
     ("yaml_boolean_key", 1, "has a key True (bool): keys are names; in YAML, quote it"),
     ("muon_mode_upper_case", 0, "routing (muon_mode='flat'):"),
-    ("num_epoch", 0, "start_lr 0.03, over training.num_epoch 2 (dp train counts the steps from the data)"),
+    ("num_epoch", 0, "start_lr 0.03, over training.num_epoch(_dict) 2 (dp train counts the steps from the data)"),
     ("no_learning_rate", 1, "no `learning_rate` section: dp train needs one"),
-    ("stop_lr_inf", 1, "[at location `learning_rate`] the schedule gives lr inf at step 0: Invalid lr: inf; expected"),
+    ("yaml_null_key", 1, "has a key None (NoneType): keys are names; in YAML, quote it"),
+    (
+        "stop_lr_inf",
+        1,
+        "[at location `learning_rate`] the schedule (start_lr 0.03, stop_lr inf) gives lr inf at step 0: Invalid lr: "
+        "inf; expected a finite number",
+    ),
+    ("stop_lr_inf_num_epoch", 1, "the schedule (start_lr 0.03, stop_lr inf) gives stop_lr inf: Invalid lr: inf"),
     ("fifo", 1, "is a named pipe (FIFO), not a regular file"),
     ("dev_zero", 1, "is a character device, not a regular file"),
     ("too_large", 1, f"is {MAX_INPUT_BYTES + 1:,} bytes, more than the {MAX_INPUT_BYTES:,} bytes dp check reads"),

@@ -339,9 +339,9 @@ def _zero_restart_refused() -> list[str]:
     for group in legacy["param_groups"]:
         for key in ("muon_mode", "enable_gram", "magma_muon", "flash_muon", "nonfinite_across_ranks"):
             group.pop(key, None)
-        group.update(muon_2d_only=False, min_2d_dim=1)
+        group.update(muon_2d_only=True, min_2d_dim=1)
     messages = []
-    for checkpoint, momentum in ((written, 0.5), (bad_group, 0.95), (bad_shape, 0.95), (legacy, 0.95)):
+    for checkpoint, momentum in ((written, 0.5), (bad_group, 0.95), (bad_shape, 0.95), (legacy, 0.5)):
         trainer = training.Trainer.__new__(training.Trainer)
         kwargs["momentum"] = momentum  # the input file's
         trainer.optimizer, trainer.restart_training = zero(), True
@@ -354,7 +354,8 @@ def _zero_restart_refused() -> list[str]:
         set_grads([p for _, p in named], _full_grads(named, 1))
         trainer.optimizer.step()
         groups = trainer.optimizer.optim.param_groups + trainer.optimizer.param_groups
-        messages.append(f"loaded | momentum {sorted({g['momentum'] for g in groups})}")
+        settings = sorted({(g["momentum"], g["muon_mode"]) for g in groups})
+        messages.append(f"loaded | {settings}")
     return messages
 
 
@@ -939,10 +940,10 @@ def test_zero1_restart_checks_the_checkpoint_before_anything_changes(run: _Run) 
     """
     for rank in (0, 1):
         written, group, shape, legacy = run.result("zero", rank)["restart_refused"]
-        assert written == "loaded | momentum [0.5]", written  # the input's, not the checkpoint's 0.95
+        assert written == "loaded | [(0.5, 'slice')]", written  # the input's momentum, not the checkpoint's 0.95
         assert "momentum" in group and "1.5" in group and group.endswith("state left empty: True"), group
         assert "momentum_buffer" in shape and shape.endswith("state left empty: True"), shape
-        assert legacy == "loaded | momentum [0.95]", legacy
+        assert legacy == "loaded | [(0.5, 'slice')]", legacy  # the input's, not 3.1's muon_2d_only (2d)
 
 
 def test_zero1_nan_skips_the_whole_step(run: _Run) -> None:
