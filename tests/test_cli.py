@@ -706,8 +706,8 @@ def _hostile(kind: str, tmp_path: Path) -> Path:
 #: and the alias bomb ran out of memory, the 10,000 levels raised RecursionError (a traceback), the long value was
 #: echoed whole, the multi-task input was refused (type_map 'type_map_all' not a list), the opt_type contradiction
 #: was a warning with exit 0 and, with another error, was left out, a warm-up longer than the run passed; the YAML
-#: boolean key, the upper-case muon_mode (dp train accepts it), num_epoch (dp train too) and the missing schedule
-#: were tracebacks, an infinite stop_lr passed (dp train refused it at its first step).
+#: boolean and null keys, the upper-case muon_mode (dp train accepts it), num_epoch (dp train too) and the missing
+#: schedule were tracebacks, an infinite stop_lr passed (dp train refused it at its first step).
 HOSTILE = [
     ("yaml_boolean_key", 1, "has a key True (bool): keys are names; in YAML, quote it"),
     ("muon_mode_upper_case", 0, "routing (muon_mode='flat'):"),
