@@ -24,7 +24,7 @@ from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine, compilation
 from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS, option_doc
-from .state import check_sizes, check_state_dict
+from .state import check_sizes, check_state_dict, saved_params
 from .validation import (
     REMOVED_KEYS,
     check_gradients,
@@ -444,8 +444,7 @@ class HybridMuonOptimizer(Optimizer):
         checked = check_state_dict(state_dict, self.param_groups, self._describe)
         super().load_state_dict(checked)
         self._state_version += 1
-        saved_ids = [i for group in checked["param_groups"] for i in group["params"]]  # paired by position, as torch
-        for i, p in zip(saved_ids, [p for group in self.param_groups for p in group["params"]], strict=True):
+        for i, p in saved_params(checked["param_groups"], self.param_groups).items():
             state, saved = self.state.get(p, {}), checked["state"].get(i, {})
             for key in _FLOAT32_STATE:
                 value = state.get(key)

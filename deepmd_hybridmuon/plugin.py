@@ -40,7 +40,7 @@ import torch
 from . import __version__
 from .optimizer import HybridMuonOptimizer
 from .schema import HYBRID_MUON_DOC, hybrid_muon_arguments
-from .state import check_state_dict, with_defaults, written_by_hybridmuon
+from .state import check_state_dict, written_by_hybridmuon
 from .validation import GROUP_KEYS, resolve_legacy_keys
 
 log = logging.getLogger("deepmd.hybridmuon")
@@ -268,13 +268,10 @@ def patch_trainer(module: Any) -> None:
         if not ours:
             return load(self, *args, **kwargs)
         zero = local is not self.optimizer
-        if saved is not None and restart:
-            # The checkpoint as this version reads it (an older writer's keys mapped, what it lacks at the
-            # defaults). ZeRO-1 copies it into this rank's optimizer itself, past our load_state_dict's
-            # checks: the same checks first, against every parameter (ZeRO's own param_groups).
-            saved = (
-                check_state_dict(saved, self.optimizer.param_groups, local._describe) if zero else with_defaults(saved)
-            )
+        if zero and saved is not None and restart:
+            # ZeRO-1 copies the state into this rank's optimizer itself, past our load_state_dict's checks and
+            # reading: the same first, against every parameter (ZeRO's own param_groups); it loads what they read.
+            saved = check_state_dict(saved, self.optimizer.param_groups, local._describe)
         before = [{k: g[k] for k in GROUP_KEYS if k != "lr"} for g in local.param_groups]
         load(self, saved)
         _input_wins(local, before)
@@ -426,13 +423,16 @@ def _dp_main(module: types.ModuleType, original: Callable[..., Any]) -> Callable
             # that fails our schema ends with dp check's message instead, exit 1.
             from dargs.dargs import ArgumentError
 
+            def input_file() -> str | None:  # read when needed: other commands' lines stay deepmd's to refuse
+                return getattr(parser.parse_known_args(argv)[0], "INPUT", None)
+
             if command == "train":  # deepmd-kit lets a contradicting legacy key win without a word
-                for message in legacy_conflicts(getattr(parser.parse_known_args(argv)[0], "INPUT", None)):
+                for message in legacy_conflicts(input_file()):
                     log.warning(message)
             try:
                 return original(args)
             except ArgumentError as err:
-                message = optimizer_error(err, getattr(parser.parse_known_args(argv)[0], "INPUT", None))
+                message = optimizer_error(err, input_file())
                 if message is None:
                     raise
                 print(f"error: {message}", file=sys.stderr)

@@ -80,10 +80,9 @@ def check_state_dict(
     # The saved groups' "params" name the parameters the state is keyed by, in the order of the
     # current groups' parameters: indices (torch's state_dict) or names (torch.distributed's
     # get_optimizer_state_dict, which deepmd's FSDP2 checkpoints use). torch pairs them by position.
-    by_saved_id: dict[Any, torch.Tensor] = {}
     for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
         _check_group(index, saved, len(group["params"]))
-        by_saved_id.update(zip(saved["params"], group["params"], strict=True))
+    by_saved_id = saved_params(saved_groups, groups)
     state = state_dict["state"]
     if not isinstance(state, Mapping):
         raise ValueError(f"Invalid state in the state dict: {type(state).__name__}; expected a mapping")
@@ -95,6 +94,18 @@ def check_state_dict(
             raise ValueError(f"Invalid state key {key!r}; expected one of the saved param_groups' params {shown}")
         _check_entry(f"parameter {key!r} ({describe(p)})", entry, p)
     return completed
+
+
+def saved_params(saved_groups: Sequence[Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> dict[Any, Any]:
+    """Each id of the saved groups' ``params`` (an index or a name) and the current parameter it stands for.
+
+    Paired by position, group by group, as torch's ``load_state_dict`` pairs them.
+    """
+    return {
+        i: p
+        for saved, group in zip(saved_groups, groups, strict=True)
+        for i, p in zip(saved["params"], group["params"], strict=True)
+    }
 
 
 def written_by_hybridmuon(state_dict: Any) -> bool | None:
