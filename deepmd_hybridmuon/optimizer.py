@@ -567,7 +567,12 @@ class HybridMuonOptimizer(Optimizer):
             raise ValueError(f"Invalid _implementation: {self._implementation!r}; expected one of {IMPLEMENTATIONS}")
         engine = self._runners.get(index)
         signature = self._engine_signature(group)  # with the implementation: a loop group never has an engine
-        if engine is not None and engine.signature == signature and engine.matches(group) and not engine.outdated:
+        if (
+            engine is not None
+            and engine.signature == signature
+            and engine.matches(group, self.state)
+            and not engine.outdated
+        ):
             return engine
         sharded = any(distributed.is_dtensor(p) for p in group["params"])
         kind = distributed.ShardedEngine if sharded else GroupEngine

@@ -5,6 +5,7 @@ The parity of every implementation with the loop over the option sets is tests/t
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import pytest
@@ -106,6 +107,56 @@ def test_engine_follows_a_parameter_that_misses_a_gradient(missing, device):
     row = opt.execution_table()[0]
     assert row["implementation"] == "engine"  # back on the engine after that step
     assert row["cuda_graph"] == (device == "cuda")  # the engine, not the loop, took the later steps
+
+
+def _saved_state(opt, params: dict) -> dict:
+    """Each parameter's saved state (``state_dict()["state"]``), by name."""
+    names = list(params)  # the group's parameters, in order
+    return {names[i]: entry for i, entry in opt.state_dict()["state"].items()}
+
+
+def _assert_state_is_the_loops(engine, loop, params: dict) -> None:
+    """The same state entries as the loop's, the same keys, the same values and dtypes.
+
+    The momentum and the Adam moments depend on the gradients alone, the Magma scores on them and the momentum:
+    only summation orders differ (Magma's sums), not the step's rounding of the parameters.
+    """
+    engine, loop = _saved_state(engine, params), _saved_state(loop, params)
+    assert engine.keys() == loop.keys()
+    for name, entry in loop.items():
+        assert engine[name].keys() == entry.keys(), name
+        for key, value in entry.items():
+            torch.testing.assert_close(engine[name][key], value, msg=f"{name} {key}")
+
+
+#: Changes of the optimizer's state between two steps, and the parameter they concern.
+STATE_EDITS = {
+    "clear": lambda opt, p: opt.state.clear(),
+    "del-muon": lambda opt, p: operator.delitem(opt.state, p),  # del opt.state[p]
+    "del-adam": lambda opt, p: operator.delitem(opt.state, p),
+    "del-momentum": lambda opt, p: operator.delitem(opt.state[p], "momentum_buffer"),
+    "new-momentum": lambda opt, p: operator.setitem(opt.state[p], "momentum_buffer", torch.ones_like(p)),
+    "new-dict": lambda opt, p: operator.setitem(opt.state, p, {}),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edit", STATE_EDITS)
+def test_engine_follows_the_state_after_it_is_cleared_deleted_or_replaced(edit, device):
+    """The loop reads the optimizer's state at each step; the engine steps what is there too, not its old buffers."""
+    name = "emb.layers.2.bias" if edit in ("del-adam", "new-dict") else "fit.layers.0.matrix"
+
+    def script(step, params, opt):
+        if step == 2:
+            STATE_EDITS[edit](opt, params[name])
+
+    # 7 steps: the engine rebuilt at step 2, then on a GPU two eager steps and captured ones
+    moved, params, opt = _scripted_run("engine", script, device, steps=7)
+    ref, _, loop = _scripted_run("loop", script, device, steps=7)
+    _assert_close_to_the_loop(moved, ref, _routes(opt, params))
+    _assert_state_is_the_loops(opt, loop, params)
+    row = opt.execution_table()[0]
+    assert row["implementation"] == "engine" and row["cuda_graph"] == (device == "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+from itertools import starmap
 from typing import Any
 
 import torch
@@ -28,7 +30,8 @@ class GroupEngine:
     routes
         The route of every parameter of ``group["params"]``, in order.
     state
-        The optimizer's state (its entries become views of the engine's flat buffers).
+        The optimizer's state (its entries become views of the engine's flat buffers); the engine
+        holds as long as :meth:`matches` finds them there.
     signature
         What the optimizer built this engine from (its own versions and options); kept as
         :attr:`signature`, for the optimizer to compare.
@@ -63,6 +66,11 @@ class GroupEngine:
         params, active_routes = [p for p, _ in active], [r for _, r in active]
         kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon and self.PATHS)
         self.layout = Layout(params, active_routes, state, group, kernels, self.PATHS)
+        # What the step reads and writes of the optimizer's state: each parameter's entry, and the tensors in it
+        # (views of the layout's buffers), checked by matches
+        self.entries = [state[p] for p in self.layout.keys]
+        self.held = [(entry, key) for entry in self.entries for key, value in entry.items() if torch.is_tensor(value)]
+        self.held_tensors = [entry[key] for entry, key in self.held]
         self.shared_gate = shared_gate
         self.batched = self._batched(group, StepInputs(self.layout), shared_gate, flash_muon)
         self.executor = Executor(self.batched, cuda_graph)
@@ -100,12 +108,15 @@ class GroupEngine:
         first = params[0]
         return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
 
-    def matches(self, group: dict[str, Any]) -> bool:
-        """The same parameters as at build, in the same storage and shape, with gradients on exactly the same ones.
+    def matches(self, group: dict[str, Any], state: dict) -> bool:
+        """The same parameters as at build, in the same storage and shape, gradients on the same ones; the same state.
 
         A parameter's storage changes with ``p.data = ...`` (e.g. ``module.half()`` after the
         optimizer was built); the engine would otherwise go on writing to the old memory. Its
         shape alone changes with ``p.data = p.data.view(...)``: the routes and views change.
+        ``state`` is the optimizer's: each parameter's entry must be the one built with, holding the
+        same tensors. After ``state.clear()``, ``del state[p]`` or a tensor put into an entry the loop
+        starts that state afresh or steps the new tensor; so does a new engine.
         """
         params = group["params"]
         if len(params) != len(self.group_params) or any(
@@ -117,7 +128,11 @@ class GroupEngine:
         return all(
             p.grad is not None and t.data_ptr() == ptr and t.shape == shape
             for p, t, ptr, shape in zip(L.keys, local, L.storage, L.shapes, strict=True)
-        ) and all(p.grad is None for p in self.gradless)
+        ) and (
+            all(p.grad is None for p in self.gradless)
+            and all(map(operator.is_, map(state.get, L.keys), self.entries))
+            and all(map(operator.is_, starmap(dict.get, self.held), self.held_tensors))
+        )
 
     @property
     def outdated(self) -> bool:
