@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from ..dtensor import laid_out_like, local_shard
+from ..dtensor import is_dtensor, laid_out_like, local_shard
 from . import compilation
 from .batched import BatchedStep, StepInputs
 from .execution import Executor
@@ -64,6 +64,7 @@ class GroupEngine:
         active = [(p, r) for p, r in active if p.grad is not None]
         self.active = active  # (parameter, route) of those it steps, in group order
         params, active_routes = [p for p, _ in active], [r for _, r in active]
+        self.sharded = any(map(is_dtensor, params))  # FSDP2's DTensors: the step writes their local shards
         kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon and self.PATHS)
         self.layout = Layout(params, active_routes, state, group, kernels, self.PATHS)
         # What the step reads and writes of the optimizer's state: each parameter's entry, and the tensors in it
@@ -124,7 +125,7 @@ class GroupEngine:
         ):
             return False
         L = self.layout
-        local = [local_shard(p) for p in L.keys]  # the tensors the step writes, as they are now
+        local = [local_shard(p) for p in L.keys] if self.sharded else L.keys  # the tensors the step writes, as now
         return all(
             p.grad is not None and t.data_ptr() == ptr and t.shape == shape
             for p, t, ptr, shape in zip(L.keys, local, L.storage, L.shapes, strict=True)
