@@ -578,12 +578,13 @@ class HybridMuonOptimizer(Optimizer):
         kind = distributed.ShardedEngine if sharded else GroupEngine
         use_loop = (self._implementation == "loop" and not sharded) or not kind.supports(group)
         check_sizes(self.state, group["params"], self._describe)
-        if use_loop:
-            return None
         kernels_ready = engine is not None and engine.outdated
-        # the old engine's buffers, stacks and graphs go before the new ones exist (its state lives on in self.state)
+        # the old engine goes, its buffers, stacks and graphs before the new ones exist (its state lives on in
+        # self.state); also when the loop takes the step: execution_table reports a group's engine as what ran
         self._runners.pop(index, None)
         del engine
+        if use_loop:
+            return None
         engine = self._runners[index] = kind(
             group,
             [self.route_of(p, group) for p in group["params"]],

@@ -83,7 +83,7 @@ def _scripted_run(implementation: str, script, device: str = "cpu", steps: int =
     gen = torch.Generator().manual_seed(4)
     for step in range(steps):
         for p in params.values():
-            p.grad = torch.randn(p.shape, generator=gen).to(device)
+            p.grad = torch.randn(p.shape, generator=gen).to(device, p.dtype)
         script(step, params, opt)
         opt.step()
     return {k: p.detach() - start[k] for k, p in params.items()}, params, opt
@@ -157,6 +157,32 @@ def test_engine_follows_the_state_after_it_is_cleared_deleted_or_replaced(edit, 
     _assert_state_is_the_loops(opt, loop, params)
     row = opt.execution_table()[0]
     assert row["implementation"] == "engine" and row["cuda_graph"] == (device == "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_the_engine_cannot_take_run_the_loop_and_are_reported_so(device):
+    """A float64 matrix mixes the group's dtypes for two steps: the loop takes them, and execution_table says so.
+
+    The engine takes the group again once its dtypes agree.
+    """
+    name = "fit.layers.1.matrix"
+    reported = []  # execution_table before each step: how the step before ran
+
+    def script(step, params, opt):
+        p = params[name]
+        if step == 2:
+            p.data, p.grad = p.data.double(), p.grad.double()
+        if step == 4:
+            p.data, p.grad = p.data.float(), p.grad.float()
+        reported.append(opt.execution_table()[0]["implementation"])
+
+    moved, params, opt = _scripted_run("engine", script, device, steps=7)
+    assert reported == ["loop", "engine", "engine", "loop", "loop", "engine", "engine"]
+    row = opt.execution_table()[0]
+    assert row["implementation"] == "engine" and row["cuda_graph"] == (device == "cuda")
+    ref, _, loop = _scripted_run("loop", script, device, steps=7)
+    _assert_close_to_the_loop(moved, ref, _routes(opt, params))
+    _assert_state_is_the_loops(opt, loop, params)
 
 
 @pytest.mark.parametrize("device", DEVICES)
