@@ -557,11 +557,13 @@ class HybridMuonOptimizer(Optimizer):
         """The flat engine of a group, (re)built when needed; ``None`` for the loop.
 
         The loop runs when :data:`IMPLEMENTATIONS` ``"loop"`` is chosen and for a group the
-        engine does not support (mixed dtypes or devices). A group of FSDP2's DTensors always takes
+        engine does not support (mixed dtypes or devices, a momentum in another dtype than its
+        parameter's: :meth:`GroupEngine.supports`). A group of FSDP2's DTensors always takes
         ``distributed.ShardedEngine`` (the loop cannot step shards). Parameters without a
         gradient are left out of the engine, which is rebuilt when that set changes (models
-        with unused parameters have the same set every step). The parameters' sizes are checked
-        when an engine is built, and at every step of the loop.
+        with unused parameters have the same set every step), as when the state it was built with
+        changes (:meth:`GroupEngine.matches`). The parameters' sizes are checked when an engine is
+        built, and at every step of the loop.
         """
         if self._implementation not in IMPLEMENTATIONS:
             raise ValueError(f"Invalid _implementation: {self._implementation!r}; expected one of {IMPLEMENTATIONS}")
@@ -576,7 +578,7 @@ class HybridMuonOptimizer(Optimizer):
             return engine
         sharded = any(distributed.is_dtensor(p) for p in group["params"])
         kind = distributed.ShardedEngine if sharded else GroupEngine
-        use_loop = (self._implementation == "loop" and not sharded) or not kind.supports(group)
+        use_loop = (self._implementation == "loop" and not sharded) or not kind.supports(group, self.state)
         check_sizes(self.state, group["params"], self._describe)
         kernels_ready = engine is not None and engine.outdated
         # the old engine goes, its buffers, stacks and graphs before the new ones exist (its state lives on in

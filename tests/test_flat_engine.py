@@ -186,6 +186,22 @@ def test_steps_the_engine_cannot_take_run_the_loop_and_are_reported_so(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_momentum_keeps_its_dtype_when_the_parameters_change_theirs(dtype, device):
+    """``p.data = p.data.to(dtype)`` after steps: each momentum keeps its dtype, with the engine as in the loop."""
+
+    def script(step, params, opt):
+        if step == 2:
+            for p in params.values():
+                p.data, p.grad = p.data.to(dtype), p.grad.to(dtype)
+
+    moved, params, opt = _scripted_run("engine", script, device, steps=5)
+    ref, _, loop = _scripted_run("loop", script, device, steps=5)
+    _assert_close_to_the_loop(moved, ref, _routes(opt, params))
+    _assert_state_is_the_loops(opt, loop, params)  # the dtypes too: float32 momenta
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_engine_follows_a_momentum_and_betas_schedule_without_rebuilding(device):
     # e.g. OneCycleLR, which cycles the "momentum" key of every group by default
     def script(step, params, opt):

@@ -217,11 +217,12 @@ class ShardedEngine(GroupEngine):
     PATHS = False
 
     @staticmethod
-    def supports(group: dict[str, Any]) -> bool:
+    def supports(group: dict[str, Any], state: dict) -> bool:
         """Whether a group of DTensors has anything to step; ``NotImplementedError`` for layouts it cannot.
 
         Checked before the layout adopts any state: one mesh and placement, one dtype, and each rank's shard
-        the rows ``torch.chunk`` gives it.
+        the rows ``torch.chunk`` gives it. ``state`` is not read: no loop steps shards, so a momentum in another
+        dtype than the parameters' takes theirs here.
         """
         params = [p for p in group["params"] if p.numel() > 0]
         if not params:

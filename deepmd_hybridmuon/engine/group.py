@@ -101,13 +101,22 @@ class GroupEngine:
         return K, None
 
     @staticmethod
-    def supports(group: dict[str, Any]) -> bool:
-        """Whether the flat engine can run this group (one dtype and device, floating point)."""
+    def supports(group: dict[str, Any], state: dict) -> bool:
+        """Whether the flat engine can run this group (one dtype and device, floating point, every momentum in it).
+
+        ``state`` is the optimizer's. A momentum keeps its dtype in the loop when its parameter's data takes
+        another (``p.data = p.data.double()`` after steps); the engine's flat momentum has the parameters' dtype.
+        """
         params = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
         if not params:
             return False
         first = params[0]
-        return first.is_floating_point() and all(p.dtype == first.dtype and p.device == first.device for p in params)
+        momenta = [state[p]["momentum_buffer"] for p in params if "momentum_buffer" in state.get(p, ())]
+        return (
+            first.is_floating_point()
+            and all(p.dtype == first.dtype and p.device == first.device for p in params)
+            and all(m.dtype == first.dtype for m in momenta)
+        )
 
     def matches(self, group: dict[str, Any], state: dict) -> bool:
         """The same parameters as at build, in the same storage and shape, gradients on the same ones; the same state.
