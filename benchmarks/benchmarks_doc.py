@@ -276,6 +276,10 @@ PAIRS = (
     ("multi_gpu_dpa4_stage1_g4_three_h100x4_2026-11-28.json", "dpa4_water", (1,)),
     ("multi_gpu_dpa3_stage1_g4_three_h100x4_2026-11-28.json", "dpa3_water", (1,)),
     ("multi_gpu_dpa4_stage2_g4_three_h100x4_2026-11-28.json", "dpa4_water", (2,)),
+    ("multi_gpu_dpa3_stage3_g4_three_h200x4_2026-11-28.json", "dpa3_water", (3,)),
+    ("multi_gpu_dpa4_stage3_g4_three_h200x4_2026-11-28.json", "dpa4_water", (3,)),
+    ("multi_gpu_dpa3_stage1_g2_three_h200x4_2026-11-28.json", "dpa3_water", (1,)),
+    ("multi_gpu_dpa4_stage1_g2_three_h200x4_2026-11-28.json", "dpa4_water", (1,)),
 )
 
 
