@@ -434,7 +434,8 @@ class HybridMuonOptimizer(Optimizer):
         torch casts floating state to each parameter's dtype; the Adam moments and
         Magma scores are float32 again here, so float64 models resume, and a float16 or
         bfloat16 model's are taken from the saved tensors (the cast lost their bits: an
-        ``exp_avg_sq`` above 65504 became inf).
+        ``exp_avg_sq`` above 65504 became inf). ``beta1_pow`` and ``beta2_pow`` saved as one-element
+        tensors are read back as the Python floats the step uses.
 
         Everything is checked first (:func:`deepmd_hybridmuon.state.check_state_dict`): a state
         dict of another optimizer, group values the constructor would refuse, or state of the
@@ -446,6 +447,9 @@ class HybridMuonOptimizer(Optimizer):
         self._state_version += 1
         for i, p in saved_params(checked["param_groups"], self.param_groups).items():
             state, saved = self.state.get(p, {}), checked["state"].get(i, {})
+            for key in ("beta1_pow", "beta2_pow"):  # floats, as the step reads them (the check allows a tensor)
+                if isinstance(state.get(key), torch.Tensor):
+                    state[key] = float(saved[key])
             for key in _FLOAT32_STATE:
                 value = state.get(key)
                 if not isinstance(value, torch.Tensor) or value.dtype == torch.float32:

@@ -245,6 +245,32 @@ def test_a_state_dict_keyed_by_parameter_names_loads(implementation):
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(fresh.state[q][key])), key
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-d", "1-element"])
+def test_adam_powers_saved_as_tensors_resume_as_the_numbers_do(implementation, dtype, shape):
+    # The check accepts a one-element tensor for beta1_pow / beta2_pow (deepmd's built-in steps on with
+    # one); torch's load casts it to the parameter's dtype. The run goes on as from the saved numbers.
+    def resumed(tensors: bool) -> list[torch.Tensor]:
+        named = [(n, torch.nn.Parameter(p.detach().to(dtype))) for n, p in _named()]
+        saved = _stepped(named).state_dict()
+        if tensors:
+            for entry in saved["state"].values():
+                for key in ("beta1_pow", "beta2_pow"):
+                    if key in entry:
+                        entry[key] = torch.tensor(entry[key], dtype=torch.float64).reshape(shape)
+        opt = make_optimizer([p for _, p in named], implementation, lr=1e-2, named_parameters=named)
+        opt.load_state_dict(saved)
+        for step in range(2):
+            for _, p in named:
+                p.grad = torch.full_like(p, 0.5 + step)
+            opt.step()
+        return [p.detach() for _, p in named]
+
+    for got, want in zip(resumed(tensors=True), resumed(tensors=False), strict=True):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------------- parameters it cannot handle
 
 
