@@ -14,6 +14,7 @@ import logging
 import math
 import re
 import textwrap
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -441,9 +442,20 @@ class HybridMuonOptimizer(Optimizer):
         dict of another optimizer, group values the constructor would refuse, or state of the
         wrong keys, shape or dtype raise a ``ValueError`` and leave this optimizer as it was. An
         option the writer did not have (an older version, deepmd's built-in) takes its default.
+        The hooks of ``register_load_state_dict_pre_hook`` run before the checks, once.
         """
+        hooks = self._optimizer_load_state_dict_pre_hooks
+        if hooks and isinstance(state_dict, dict):  # they adapt what was saved: as torch runs them, before the checks
+            state_dict = state_dict.copy()
+            for hook in hooks.values():
+                result = hook(self, state_dict)
+                state_dict = state_dict if result is None else result
         checked = check_state_dict(state_dict, self.param_groups, self._describe)
-        super().load_state_dict(checked)
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # run once, above
+        try:
+            super().load_state_dict(checked)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
         self._state_version += 1
         for i, p in saved_params(checked["param_groups"], self.param_groups).items():
             state, saved = self.state.get(p, {}), checked["state"].get(i, {})

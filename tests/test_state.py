@@ -175,6 +175,31 @@ def test_resume_is_bitwise(precision: str, implementation: str) -> None:
                 assert value == state_c[idx][key], (named_a[idx][0], key)
 
 
+def test_load_pre_hooks_adapt_the_state_dict_before_it_is_checked() -> None:
+    """torch's documented way to load another layout: a pre-hook (here: state keyed by strings) runs once."""
+    named = clone_named(model_named_parameters("se_e2_a"))
+    opt = HybridMuonOptimizer(_params(named), lr=1e-3, named_parameters=named)
+    run_steps(opt, _params(named), range(2))
+    saved = opt.state_dict()
+    stringly = {**saved, "state": {str(k): v for k, v in saved["state"].items()}}
+    calls = []
+
+    def int_keys(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        calls.append(optimizer)
+        return {**state_dict, "state": {int(k): v for k, v in state_dict["state"].items()}}
+
+    resumed = [clone_named(named), clone_named(named)]
+    for copied, keys in zip(resumed, (stringly, saved), strict=True):
+        other = HybridMuonOptimizer(_params(copied), lr=1e-3, named_parameters=copied)
+        if keys is stringly:
+            other.register_load_state_dict_pre_hook(int_keys)
+        other.load_state_dict(keys)
+        run_steps(other, _params(copied), range(2, 4))
+    assert len(calls) == 1
+    for (name, p), (_, q) in zip(*resumed, strict=True):
+        assert torch.equal(p, q), name
+
+
 # ----------------------------------------------------------------------------- param groups
 
 
