@@ -10,6 +10,7 @@ import difflib
 import functools
 import inspect
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -80,9 +81,9 @@ def check_option(option: Option, value: Any, key: str | None = None) -> None:
     elif option.types == (bool,):
         if not isinstance(value, bool):
             raise ValueError(f"Invalid {key}: {value!r}; expected true or false")
-    else:  # a finite real in [low, high] (or [low, high)); a one-element tensor without grad counts as one
+    else:  # a finite real in [low, high] (or [low, high)); a NumPy number or a one-element tensor without grad too
         scalar = isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad
-        if not scalar and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        if not scalar and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
             raise ValueError(f"Invalid {key}: {value!r}; expected a real number")
         number, low, high = float(value), option.low, option.high
         if not math.isfinite(number):

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_optimizer
@@ -205,6 +206,8 @@ def test_use_foreach_is_accepted_and_ignored() -> None:
         ({"lr": 0.0}, ("lr", 0.0)),
         ({"lr": 1}, ("lr", 1)),  # an int is a real number
         ({"lr": torch.tensor(1e-3)}, None),  # a scalar tensor (LR schedulers may set one)
+        ({"lr": np.float32(1e-3)}, None),  # a NumPy number (a schedule computed with NumPy)
+        ({"adam_betas": (np.float32(0.9), np.float64(0.99))}, None),
         ({"momentum": 0.0}, ("momentum", 0.0)),
         ({"momentum": 0.999}, ("momentum", 0.999)),
         ({"adam_betas": (0.0, 0.0)}, ("adam_betas", (0.0, 0.0))),
@@ -249,6 +252,20 @@ def test_scheduler_keys_are_allowed() -> None:
     opt.step()
     scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+
+
+def test_a_scheduler_that_sets_numpy_numbers_steps_as_with_floats() -> None:
+    moved = []
+    for number in (float, np.float32):
+        p = _param()
+        opt = HybridMuonOptimizer([p], lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step, number=number: number(0.5) ** step)
+        for step in range(3):
+            p.grad = torch.full_like(p, 1.0 + step)
+            opt.step()
+            scheduler.step()
+        moved.append(p.detach())
+    assert torch.equal(moved[0], moved[1])
 
 
 def test_import_has_no_side_effects() -> None:
