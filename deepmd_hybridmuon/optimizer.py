@@ -304,15 +304,19 @@ class HybridMuonOptimizer(Optimizer):
                 )
         param_group = {k: v for k, v in param_group.items() if k not in OPTIMIZER_KEYS}
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
         try:
-            validate_group(self.param_groups[-1])
-            check_parameters(self.param_groups[-1]["params"], len(self.param_groups) - 1)
+            validate_group(group)
+            check_parameters(group["params"], len(self.param_groups) - 1)
         except ValueError:
             self.param_groups.pop()
             raise
+        # torch's named parameters (``HybridMuonOptimizer(model.named_parameters())``) route by their names too
+        names = group.get("param_names", [None] * len(group["params"]))  # torch checks that there is one per parameter
+        self._param_names.update((id(p), str(n)) for n, p in zip(names, group["params"], strict=True) if n is not None)
 
     def set_param_names(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Give parameters names for name-based routing.
+        """Give parameters names for name-based routing (in place of those of ``param_groups``' ``param_names``).
 
         The names stay out of ``param_groups`` and the state dict, so checkpoints (and
         ZeRO-1's gathered state) do not carry the model's object graph.

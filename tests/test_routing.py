@@ -140,3 +140,18 @@ def test_unnamed_parameters_route_by_shape() -> None:
         assert all(r["name"] is None for r in rows)
         ours = {id(p): (r["route"], r["view"]) for (_, p), r in zip(unnamed, rows, strict=True)}
         assert ours == theirs
+
+
+def test_torch_named_parameters_route_by_their_names() -> None:
+    """``HybridMuonOptimizer(model.named_parameters())``, torch's idiom: the names route, as with named_parameters=.
+
+    (deepmd's built-in routes such parameters by shape alone; ``dp`` passes names by keyword to either.)
+    """
+    named = _synthetic_named()
+    by_keyword = HybridMuonOptimizer([p for _, p in named], named_parameters=named).routing_table()
+    groups = [{"params": [p for _, p in named[:5]], "param_names": [n for n, _ in named[:5]]}]
+    opt = HybridMuonOptimizer(groups)
+    opt.add_param_group({"params": [p for _, p in named[5:]], "param_names": [n for n, _ in named[5:]]})
+    assert HybridMuonOptimizer(named).routing_table() == by_keyword
+    assert opt.routing_table() == by_keyword
+    assert any(r["route"] == "adamw" for r in by_keyword)  # a name decided a route here
