@@ -497,11 +497,12 @@ class HybridMuonOptimizer(Optimizer):
             # step before any other group has taken it.
             runners = [self._engine(index, group) for index, group in enumerate(self.param_groups)]
             gates = []
-            for group, runner in zip(self.param_groups, runners, strict=True):
+            for index, (group, runner) in enumerate(zip(self.param_groups, runners, strict=True)):
+                agreed = None if shared is None else shared[index]
                 if runner is None:
-                    gates.append(loop.step_group(self.state, group, self.route_of, shared))
+                    gates.append(loop.step_group(self.state, group, self.route_of, agreed))
                 else:
-                    gates.append(runner.step(group, shared))
+                    gates.append(runner.step(group, agreed))
             if not self._adam_limit_logged:
                 self._log_adam_limit(gates)
             self._skips.count([gate for gate in gates if gate is not None])
@@ -538,25 +539,26 @@ class HybridMuonOptimizer(Optimizer):
                     return
 
     def _gate_all_ranks(self) -> torch.Tensor:
-        """The finite gate of this rank's gradients, all-reduced (minimum) over the default group.
+        """Each param_group's finite gate of this rank's gradients, all-reduced (minimum) over the default group.
 
-        Called once per ``step()`` on every rank, with or without parameters or gradients
-        here, so that the collectives of all ranks pair up.
+        One entry per param_group, as one process gates each group alone: a non-finite gradient skips its
+        group on every rank, and the other groups step. Called once per ``step()`` on every rank, with or
+        without parameters or gradients here, so that the collectives of all ranks pair up.
         """
         import torch.distributed as dist
 
-        grads: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # by "Adam-routed"
+        gates: list[torch.Tensor | None] = []
         for g in self.param_groups:
+            grads: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # by "Adam-routed"
             for p in g["params"]:
                 if p.grad is not None:
                     grads[self.route_of(p, g).route != "muon"].append(distributed.local_shard(p.grad))
-        if grads[True] or grads[False]:
-            ok = F.finite_gate(grads[False], grads[True])
-        else:
-            params = [p for g in self.param_groups for p in g["params"]]
-            nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-            device = params[0].device if params else torch.device("cuda" if nccl else "cpu")
-            ok = torch.ones((), dtype=torch.float32, device=device)
+            gates.append(F.finite_gate(grads[False], grads[True]) if grads[True] or grads[False] else None)
+        params = [p for g in self.param_groups for p in g["params"]]
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        device = params[0].device if params else torch.device("cuda" if nccl else "cpu")
+        one = torch.ones((), dtype=torch.float32, device=device)
+        ok = torch.stack([one if gate is None else gate.to(device) for gate in gates])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return ok

@@ -179,8 +179,9 @@ OPTIONS: tuple[Option, ...] = (
         "nonfinite_across_ranks",
         (bool,),
         False,
-        "All-reduce the finite flag of each step over the default process group, so that a non-finite "
-        "gradient on any rank skips the step on every rank (the plugin turns it on for zero_stage 1). "
+        "All-reduce the finite flag of each param_group's step over the default process group, so that a "
+        "non-finite gradient on any rank skips its group's step on every rank (the plugin turns it on for "
+        "zero_stage 1). "
         "Every rank must then call step() the same number of times.",
         scope="optimizer",
         effect="build",

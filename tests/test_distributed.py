@@ -293,8 +293,24 @@ def _scenario_zero(rank: int, outdir: str) -> None:
             zero.step()
         results[f"{label}_end"] = _snapshot(named)
         results[f"{label}_owned"] = [n for n, p in named if p in zero.optim.state]
+    # Two param_groups, a NaN in the first one's gradients only (test_zero1_nan_skips_only_its_group).
+    net = _Net()
+    named = list(net.named_parameters())
+    zero = ZeroRedundancyOptimizer(
+        _two_groups(net), optimizer_class=HybridMuonOptimizer, lr=LR, nonfinite_across_ranks=True
+    )
+    use_implementation(zero.optim, "loop")
+    zero.optim.set_param_names(named)
+    set_grads([p for _, p in named], _full_grads(named, NAN_STEP, nan=True))
+    zero.step()
+    results["two_groups_nan"] = _snapshot(named)
     results["restart_refused"] = _zero_restart_refused()
     _save(outdir, "zero", rank, results)
+
+
+def _two_groups(net: _Net) -> list[dict]:
+    """``net``'s parameters in two param_groups: the extra ones (``extra.lowrank``'s NaN), the model's."""
+    return [{"params": list(net.extra.parameters())}, {"params": list(net.model.parameters()), "weight_decay": 0.0}]
 
 
 def _zero_restart_refused() -> list[str]:
@@ -952,6 +968,22 @@ def test_zero1_nan_skips_the_whole_step(run: _Run) -> None:
         for key in ("moved_in_nan_step", "moved_in_nan_step_loop"):
             moved = run.result("zero", rank)[key]
             assert moved == [], f"rank {rank}, {key}: {len(moved)} parameters moved in a step with a NaN gradient"
+
+
+def test_zero1_nan_skips_only_its_group(run: _Run) -> None:
+    """With nonfinite_across_ranks and two param_groups, a NaN in the first group's gradients skips that group on
+    every rank and the second steps: one process's step, bitwise."""
+    net = _Net()
+    named = list(net.named_parameters())
+    opt = make_optimizer(_two_groups(net), "loop", named_parameters=named, lr=LR)
+    start = _snapshot(named)
+    set_grads([p for _, p in named], _full_grads(named, NAN_STEP, nan=True))
+    opt.step()
+    want = _snapshot(named)
+    assert all(torch.equal(want[n], start[n]) for n, _ in named if n.startswith("extra."))
+    assert any(not torch.equal(want[n], start[n]) for n, _ in named if n.startswith("model."))
+    for rank in range(WORLD):
+        _assert_exact(run.result("zero", rank)["two_groups_nan"], want)
 
 
 def test_zero1_without_the_flag_skips_only_the_owning_partition(run: _Run) -> None:
