@@ -549,24 +549,22 @@ def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor
     """Scale-safe per-row sums for :func:`magma_score`: ``(dot, |m|, |g|, eps)``, float32.
 
     ``momentum`` and ``grad`` have shape ``(blocks, k)`` (any floating dtype; zero padding
-    changes nothing). Float64 rows are summed as they are (no finite gradient the step takes can
-    overflow them) and the sums rounded to float32; so are float32 rows on the CPU, where reading
-    the sums costs nothing, unless one overflowed. Other rows are each multiplied by their
-    :func:`pow2_downscale` in their own dtype first, then converted to float32: the sums cannot
-    overflow whatever the magnitude of the inputs, and the cosine is that of the unscaled rows (bit
-    for bit where no row reaches 2).
+    changes nothing). Float32 rows on the CPU, where reading the sums costs nothing, are summed as
+    they are unless a sum overflowed. Other rows are each multiplied by their
+    :func:`pow2_downscale` in their own dtype first, then summed in float32 (float64 rows in
+    float64, the sums rounded to float32): the sums cannot overflow whatever the magnitude of the
+    inputs, and the cosine is that of the unscaled rows (bit for bit where no row reaches 2).
     """
-    wide = momentum.dtype == grad.dtype == torch.float64
-    if wide or (momentum.device.type == "cpu" and momentum.dtype == grad.dtype == torch.float32):
+    if momentum.device.type == "cpu" and momentum.dtype == grad.dtype == torch.float32:
         sums = ((momentum * grad).sum(dim=-1), momentum.norm(dim=-1), grad.norm(dim=-1))
-        sums = tuple(x.to(torch.float32) for x in sums)
-        if wide or bool(torch.stack(sums).isfinite().all()):
+        if bool(torch.stack(sums).isfinite().all()):
             return (*sums, torch.full_like(sums[0], MAGMA_EPS))
+    work = torch.float64 if momentum.dtype == grad.dtype == torch.float64 else torch.float32
     down_m, down_g = pow2_downscale(momentum, -1), pow2_downscale(grad, -1)
-    m = (momentum * down_m).to(torch.float32)
-    g = (grad * down_g).to(torch.float32)
+    m = (momentum * down_m).to(work)
+    g = (grad * down_g).to(work)
     eps = (MAGMA_EPS * down_m.to(torch.float64) * down_g.to(torch.float64)).to(torch.float32).squeeze(-1)
-    return (m * g).sum(dim=-1), m.norm(dim=-1), g.norm(dim=-1), eps
+    return *(x.to(torch.float32) for x in ((m * g).sum(dim=-1), m.norm(dim=-1), g.norm(dim=-1))), eps
 
 
 #: Elements per block of the first pass of :class:`Segments`. torch's CUDA ``segment_reduce`` gives each output one

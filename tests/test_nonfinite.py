@@ -57,6 +57,28 @@ def test_non_finite_gradient_skips_the_step(implementation, bad):
     assert all(torch.isfinite(p).all() for p in params.values())
 
 
+@pytest.mark.parametrize("implementation", ["engine", "loop"])
+def test_float64_huge_finite_gradient_steps_as_scaled_down(implementation):
+    """A float64 model's gradients of 2^70 (beyond what float32 sums of squares hold) step as the same ones times
+    2^-70: Newton–Schulz and Magma's cosine are scale-invariant (README, "bad gradients")."""
+    moved = []
+    for scale in (1.0, 2.0**70):
+        gen = torch.Generator().manual_seed(0)
+        shapes = {"fit.matrix": (12, 8), "fit.sq": (6, 6), "t.w": (2, 3, 5)}  # Muon routes only
+        params = {k: torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for k, s in shapes.items()}
+        opt = make_optimizer(list(params.values()), implementation, lr=1e-2, named_parameters=params.items())
+        start = {k: p.detach().clone() for k, p in params.items()}
+        for _ in range(3):
+            for p in params.values():
+                p.grad = scale * torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            opt.step()
+        moved.append({k: p.detach() - start[k] for k, p in params.items()})
+    for k in moved[0]:
+        # A power of two scales every number exactly, and each block is brought to the same binade before its
+        # norm: the same arithmetic on the same bits, up to the float64 rounding of p + update.
+        torch.testing.assert_close(moved[1][k], moved[0][k], rtol=1e-12, atol=1e-15, msg=k)
+
+
 def test_engine_and_loop_agree_across_a_skipped_step():
     results = []
     for implementation in ("engine", "loop"):
