@@ -767,9 +767,14 @@ def sanitize(grad: torch.Tensor, ok: torch.Tensor | None, out: torch.Tensor | No
 
 
 def gate_factor(factor: float | torch.Tensor, ok: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | float:
-    """A multiplicative factor (weight decay) in ``dtype`` that becomes 1 when the step is skipped; ``ok`` None: it."""
+    """A multiplicative factor (weight decay) that becomes 1 when the step is skipped; ``ok`` None: it.
+
+    In ``dtype``, at least float32: a half-precision parameter is multiplied by the factor itself, as by a Python
+    number, not by its rounding (bfloat16 holds 1 - 0.01 as 0.98828).
+    """
     if ok is None:
         return factor
+    dtype = torch.promote_types(dtype, torch.float32)
     if not isinstance(factor, torch.Tensor):
         # A fill on the device: torch.tensor(factor, device=...) copies from the host and makes
         # the host wait for the GPU's queue (the same value, rounded to dtype alike).

@@ -318,7 +318,7 @@ class ShardedStep(BatchedStep):
         """Newton–Schulz on the owners: the shards of the update travel there, the scaled updates back."""
         L, ex = self.layout, self.exchange
         update = L.muon_grad  # this rank's shards of the Nesterov update (before_orthogonalize)
-        neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(L.dtype)
+        neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(self.factor_dtype)
         damp = self._damp(ok)
         wire = local.wire_dtype(update.dtype)
         owned = to_owners(ex, update.to(wire), self.pg).to(update.dtype)

@@ -35,7 +35,8 @@ from . import compilation
 from .layout import Layout, run_fused
 
 #: The step's scalars, read from the group every step (a scheduler may change any of them), each in the
-#: dtype the loop uses it in. First, in the parameters' dtype: Muon decay, -lr, AdamW decay.
+#: dtype the loop uses it in. First, in the parameters' dtype, at least float32 (as torch computes with a Python
+#: number): Muon decay, -lr, AdamW decay.
 PARAM_DTYPE_SCALARS = 3
 #: Then the momentum (float64, as ``functional.momentum_`` takes it); then, in float32: 1 - beta1,
 #: 1 - beta2. After them, every Adam parameter's -step size, then every Adam parameter's second bias
@@ -79,6 +80,7 @@ class BatchedStep:
         self.inputs = inputs
         self.shared_gate = shared_gate
         self.K = compilation.kernels() if layout.triton else None
+        self.factor_dtype = torch.promote_types(layout.dtype, torch.float32)  # the decays' and -lr's dtype
         self.ok = inputs.ok  # the last step's finite gate (compute)
         self.settings: F.GroupSettings | None = None  # the last step's (scalars)
         self.sums: Any = None  # Magma's sums of this step (before_orthogonalize), or None
@@ -112,10 +114,9 @@ class BatchedStep:
 
         Reads only the layout's buffers and :attr:`inputs`.
         """
-        L = self.layout
         self.lanes = lanes or Lanes()
         scalars = self.inputs.scalars
-        self.muon_decay, self.neg_lr, self.adamw_decay = scalars[:PARAM_DTYPE_SCALARS].to(L.dtype).unbind(0)
+        self.muon_decay, self.neg_lr, self.adamw_decay = scalars[:PARAM_DTYPE_SCALARS].to(self.factor_dtype).unbind(0)
         self.ok = step.run(self)  # captured: the graph's tensor, which each replay rewrites
 
     # The phases of step.run, on the layout's buffers.
@@ -179,7 +180,7 @@ class BatchedStep:
     def orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Magma's factors, then every Muon matrix's orthogonalised update times its factor, in place of the update."""
         L, K = self.layout, self.K
-        neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(L.dtype)
+        neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(self.factor_dtype)
         damp = self._damp(ok)
         factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
         factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
