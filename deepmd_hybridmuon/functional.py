@@ -549,17 +549,19 @@ def magma_sums(momentum: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor
     """Scale-safe per-row sums for :func:`magma_score`: ``(dot, |m|, |g|, eps)``, float32.
 
     ``momentum`` and ``grad`` have shape ``(blocks, k)`` (any floating dtype; zero padding
-    changes nothing). Float32 rows on the CPU, where reading the sums costs nothing, are summed as
-    they are unless a sum overflowed. Other rows are each multiplied by their
-    :func:`pow2_downscale` in their own dtype first, then summed in float32 (float64 rows in
-    float64, the sums rounded to float32): the sums cannot overflow whatever the magnitude of the
-    inputs, and the cosine is that of the unscaled rows (bit for bit where no row reaches 2).
+    changes nothing). On the CPU, where reading the sums costs nothing, float32 and float64 rows are
+    summed as they are (in their dtype, the sums rounded to float32) unless a sum overflowed. Other
+    rows are each multiplied by their :func:`pow2_downscale` in their own dtype first, then summed in
+    float32 (float64 rows in float64, the sums rounded to float32): the sums cannot overflow whatever
+    the magnitude of the inputs, and the cosine is that of the unscaled rows (bit for bit where no
+    row reaches 2).
     """
-    if momentum.device.type == "cpu" and momentum.dtype == grad.dtype == torch.float32:
-        sums = ((momentum * grad).sum(dim=-1), momentum.norm(dim=-1), grad.norm(dim=-1))
+    wide = momentum.dtype == grad.dtype == torch.float64
+    if momentum.device.type == "cpu" and (wide or momentum.dtype == grad.dtype == torch.float32):
+        sums = tuple(x.to(torch.float32) for x in ((momentum * grad).sum(-1), momentum.norm(dim=-1), grad.norm(dim=-1)))
         if bool(torch.stack(sums).isfinite().all()):
             return (*sums, torch.full_like(sums[0], MAGMA_EPS))
-    work = torch.float64 if momentum.dtype == grad.dtype == torch.float64 else torch.float32
+    work = torch.float64 if wide else torch.float32
     down_m, down_g = pow2_downscale(momentum, -1), pow2_downscale(grad, -1)
     m = (momentum * down_m).to(work)
     g = (grad * down_g).to(work)
