@@ -361,23 +361,6 @@ def _convert(jdata: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str
     return jdata, messages, shared_links
 
 
-def _validate_optimizer(section: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer's defaults, built through its own validation (no parameters needed; choices lower-cased)."""
-    from .optimizer import HybridMuonOptimizer
-    from .options import OPTIONS
-
-    # every option that is an input key is the constructor's keyword of the same name; the betas make a pair
-    keywords = {o.name: section[o.name] for o in OPTIONS if o.input_key and o.scope in ("group", "optimizer")}
-    probe = [{"params": [], "lr": 0.0}]
-    try:
-        probe_optimizer = HybridMuonOptimizer(
-            probe, adam_betas=(section["adam_beta1"], section["adam_beta2"]), **keywords
-        )
-    except ValueError as err:
-        raise CheckError(f"[at location `optimizer`] {err}") from err
-    return probe_optimizer.defaults
-
-
 # ------------------------------------------------------------------------- routing
 
 #: One parameter: (branch, name, shape, route, matrix view, reason, elements, branch it is shared with or "").
@@ -591,9 +574,10 @@ def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float, list[tuple[str, flo
         )
         return line, start, [(f"{key} {value:g}", value) for key, value in ends.items()]
     steps = int(training["numb_steps"])
+    last_step = max(steps - 1, 0)
     try:
         schedule = make_learning_rate_schedule(section, steps)
-        first, last = float(schedule.value(0)), float(schedule.value(max(steps - 1, 0)))
+        first, last = float(schedule.value(0)), float(schedule.value(last_step))
     except (ValueError, TypeError, KeyError, ZeroDivisionError) as err:
         raise CheckError(
             f"[at location `learning_rate`] deepmd-kit rejects the schedule with training.numb_steps {steps}: "
@@ -601,13 +585,12 @@ def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float, list[tuple[str, flo
         ) from err
     line = (
         f"learning rate: {section.get('type', 'exp')}, start_lr {schedule.start_lr:g} to stop_lr {schedule.stop_lr:g} "
-        f"over {steps:,} steps (training.numb_steps): {first:.3g} at step 0, {last:.3g} at step {max(steps - 1, 0):,}"
+        f"over {steps:,} steps (training.numb_steps): {first:.3g} at step 0, {last:.3g} at step {last_step:,}"
     )
     if section.get("type", "exp") == "exp" and "decay_steps" in section:
         line += f"; decays every {section['decay_steps']:,} steps"
     if schedule.warmup_steps:
         line += f"; warm-up over the first {schedule.warmup_steps:,} steps"
-    last_step = max(steps - 1, 0)
     rates = [(f"lr {first:g} at step 0", first), (f"lr {last:g} at step {last_step:,}", last)]
     return line, float(schedule.start_lr), rates
 
@@ -649,7 +632,7 @@ def check_input(
     hybrid = section.get("type") == "HybridMuon"
     rows: list[Row] = []
     if hybrid:
-        section["muon_mode"] = _validate_optimizer(section)["muon_mode"]  # as dp train reads it: lower case
+        section["muon_mode"] = section["muon_mode"].lower()  # as dp train reads it (the schema checked it)
         for when, lr in lrs:
             try:
                 check_option(OPTION["lr"], lr)
