@@ -370,8 +370,7 @@ def _dp_parser(module: types.ModuleType) -> Any:
     if "check" in actions[0].choices:
         log.debug("dp check not added: dp already has a 'check' command")
         return None
-    check = actions[0].add_parser("check", help=CHECK_HELP, description=CHECK_DESCRIPTION)
-    add_check_arguments(check)
+    add_check_arguments(actions[0].add_parser("check", help=CHECK_HELP, description=CHECK_DESCRIPTION))
     return parser
 
 

@@ -170,8 +170,7 @@ def _check_group(index: int, saved: Any, count: int) -> None:
 def _check_entry(where: str, entry: Any, p: torch.Tensor) -> None:
     if not isinstance(entry, Mapping):
         raise ValueError(f"Invalid state of {where}: {type(entry).__name__}; expected a mapping")
-    unknown = sorted(str(k) for k in entry if k not in ADAM_STATE + MUON_STATE)
-    if unknown:
+    if unknown := sorted(str(k) for k in entry if k not in ADAM_STATE + MUON_STATE):
         raise ValueError(
             f"Invalid state of {where}: unknown keys {unknown}; expected keys of {list(ADAM_STATE)} (Adam) "
             f"or {list(MUON_STATE)} (Muon)"

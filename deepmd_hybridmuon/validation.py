@@ -142,7 +142,6 @@ def misread_keys(group: dict[str, Any]) -> list[str]:
     Those are another spelling of an option (:data:`MISNAMED_KEYS`, a different case, or a close
     misspelling) and the hyperparameters of torch's other optimizers (``betas``, ``nesterov``, ...).
     """
-    lower = {key.lower() for key in GROUP_KEYS}
     return sorted(
         key
         for key in group
@@ -150,7 +149,7 @@ def misread_keys(group: dict[str, Any]) -> list[str]:
         and key != "params"
         and (
             key in MISNAMED_KEYS
-            or key.lower() in lower
+            or key.lower() in _GROUP_KEY_SET  # the keys are lower case
             or key in _torch_hyperparameters()
             or difflib.get_close_matches(key, _GROUP_KEY_SET, n=1, cutoff=0.85)
         )
