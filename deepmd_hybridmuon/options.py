@@ -80,7 +80,6 @@ class Option:
 
 
 def _unit(name: str, default: float, doc: str, **more: Any) -> Option:
-    """A number in [0, 1)."""
     return Option(name, (float,), default, doc, low=0.0, high=1.0, high_open=True, **more)
 
 

@@ -38,7 +38,6 @@ def _passes(option: Option, value: Any) -> bool:
 
 
 def _argument(option: Option) -> Argument:
-    """The dargs argument of one input key."""
     more: dict[str, Any] = {} if option.scope == "removed" else {"default": option.default}
     if option.scope != "legacy" and option.types != (bool,):  # dargs checks the types itself
         more |= {"extra_check": functools.partial(_passes, option), "extra_check_errmsg": option.allowed}
