@@ -74,8 +74,10 @@ def test_float64_huge_finite_gradient_steps_as_scaled_down(implementation):
             opt.step()
         moved.append({k: p.detach() - start[k] for k, p in params.items()})
     for k in moved[0]:
-        # A power of two scales every number exactly, and each block is brought to the same binade before its
-        # norm: the same arithmetic on the same bits, up to the float64 rounding of p + update.
+        # A power of two scales every number exactly: Newton-Schulz brings each matrix into the same binade before
+        # its norm, and Magma's float64 sums (taken directly unscaled, after a downscale when scaled: they overflow
+        # float32 there) give the same cosine up to float64 rounding and MAGMA_EPS (1e-12 against sums near 1);
+        # then the float64 rounding of p + update.
         torch.testing.assert_close(moved[1][k], moved[0][k], rtol=1e-12, atol=1e-15, msg=k)
 
 
