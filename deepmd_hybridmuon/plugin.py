@@ -487,8 +487,12 @@ def disabled_notice(module: Any) -> None:
     setattr(trainer, _NOTICE, True)
 
 
+#: Values of :data:`DISABLE_ENV` that leave the plugin on (as unset does), any case.
+ENABLED_VALUES: tuple[str, ...] = ("", "0", "false", "no", "off")
+
+
 def _disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ENABLED_VALUES
 
 
 def _enable(trainer_module: str | None) -> None:

@@ -190,15 +190,16 @@ def test_routing_summary_counts_routes():
     )
 
 
-def test_disable_switch_keeps_the_builtin(tmp_path):
+@pytest.mark.parametrize(("value", "off"), [("1", True), ("yes", True), ("false", False), (" Off ", False)])
+def test_the_disable_switch_keeps_the_builtin_for_values_that_say_off(tmp_path, value, off):
     code = (
         "import deepmd.backend, deepmd.pt.train.training as t\n"
         "from deepmd.utils import argcheck\n"
         "reg = argcheck.opt_args_plugin._ArgsPlugin__plugin.plugins\n"
-        "assert not getattr(t.Trainer, '_hybridmuon_patched', False)\n"
-        "assert all(f.__module__.startswith('deepmd.') for f in reg.values())\n"
+        f"assert getattr(t.Trainer, '_hybridmuon_patched', False) == {not off}\n"
+        f"assert all(f.__module__.startswith('deepmd.') for f in reg.values()) == {off}\n"
     )
-    env = {**__import__("os").environ, plugin.DISABLE_ENV: "1"}
+    env = {**__import__("os").environ, plugin.DISABLE_ENV: value}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
 
 
