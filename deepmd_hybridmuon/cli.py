@@ -232,6 +232,8 @@ def _with_value(message: str, path: str, jdata: dict[str, Any], training: set[st
     An ``optimizer`` key that the conversion took from a legacy key of the input's ``training`` (whose keys
     ``training`` holds) is named as the input has it, e.g. ``training``/``opt_type``.
     """
+    from .options import OPTIONS
+
     message = message.replace(".Did you mean", ". Did you mean")
     match = re.search(r"key `([^`]+)`", message)
     legacy = [old for old, new in LEGACY_OPTIMIZER_KEYS.items() if match and new == match.group(1) and old in training]
@@ -241,6 +243,10 @@ def _with_value(message: str, path: str, jdata: dict[str, Any], training: set[st
     shown = re.sub(rf"`([^`]{{{ECHO_CHARS + 1},}})`", lambda m: f"`{m.group(1)[:ECHO_CHARS]}...`", message)
     if match is None:
         return _cut(shown)
+    section = jdata.get("optimizer")
+    alias_of = {alias: option.name for option in OPTIONS for alias in option.alias}.get(match.group(1))
+    if path.strip("/") == "optimizer" and isinstance(section, dict) and alias_of in section:
+        shown += f" ({match.group(1)} is another name for {alias_of}, which is set too: keep one of them)"
     node: Any = jdata
     for part in [p for p in path.split("/") if p] + [match.group(1)]:
         if not isinstance(node, dict) or part not in node:

@@ -70,6 +70,11 @@ def test_examples_pass_and_print_settings_and_routing(legacy, capsys):
         ),
         ({"momentum": "high"}, "key `momentum` gets wrong value type, requires <float>"),
         ({"momentun": 0.9}, "undefined key `momentun` is not allowed in strict mode. Did you mean: momentum?"),
+        (  # dargs reads an alias only in place of its key
+            {"momentum": 0.9, "muon_momentum": 0.95},
+            "Did you mean: momentum? (muon_momentum is another name for momentum, which is set too: keep one of "
+            "them) (got 0.95)",
+        ),
         ({"adam_beta2": 1.5}, "key `adam_beta2` gets bad value that fails to pass its extra checking. "),
         (
             {"ddp_split": "auto"},
