@@ -15,7 +15,7 @@ import math
 import re
 import textwrap
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -325,7 +325,7 @@ class HybridMuonOptimizer(Optimizer):
         self._names_version += 1
 
     def param_name(self, p: torch.Tensor) -> str | None:
-        """The name given to ``p`` by :meth:`set_param_names`, or ``None``."""
+        """The name given to ``p`` by :meth:`set_param_names` or its group's ``param_names``, or ``None``."""
         return self._param_names.get(id(p))
 
     def _describe(self, p: torch.Tensor) -> str:
@@ -449,8 +449,8 @@ class HybridMuonOptimizer(Optimizer):
         The hooks of ``register_load_state_dict_pre_hook`` run before the checks, once.
         """
         hooks = self._optimizer_load_state_dict_pre_hooks
-        if hooks and isinstance(state_dict, dict):  # they adapt what was saved: as torch runs them, before the checks
-            state_dict = state_dict.copy()
+        if hooks and isinstance(state_dict, Mapping):  # they adapt what was saved: as torch runs them, before checks
+            state_dict = dict(state_dict)
             for hook in hooks.values():
                 result = hook(self, state_dict)
                 state_dict = state_dict if result is None else result
