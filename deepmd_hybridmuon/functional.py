@@ -500,6 +500,11 @@ def muon_scale(rows: int, cols: int, lr_adjust: float, lr_adjust_coeff: float) -
     return max(1.0, rows / cols) ** 0.5
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where values of ``dtype`` meet a scalar: ``dtype``, at least float32 (as torch computes with a Python number)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def momentum_(buf: torch.Tensor, grad: torch.Tensor, momentum: float | torch.Tensor, ok: torch.Tensor | None) -> None:
     """m <- beta m + (1 - beta) g in place (not when ``ok`` is 0).
 
@@ -515,7 +520,7 @@ def nesterov(
     buf: torch.Tensor, grad: torch.Tensor, momentum: float | torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Nesterov's update beta m + (1 - beta) g (after :func:`momentum_`), in ``buf``'s compute dtype; into ``out``."""
-    compute = torch.promote_types(buf.dtype, torch.float32)  # where lerp with a number computes
+    compute = compute_dtype(buf.dtype)  # where lerp with a number computes
     beta = momentum.to(compute) if isinstance(momentum, torch.Tensor) else momentum
     if compute == buf.dtype:
         return torch.lerp(grad, buf, beta, out=out)
@@ -676,7 +681,7 @@ def post_orthogonalize(ortho: torch.Tensor, factor: torch.Tensor, out: torch.Ten
     does as it stores; the parameter then takes ``p * decay + update``. The loop, the engine's torch path and the
     FSDP2 owners call it.
     """
-    return torch.mul(ortho, factor.view(-1, 1, 1).to(torch.promote_types(out.dtype, torch.float32)), out=out)
+    return torch.mul(ortho, factor.view(-1, 1, 1).to(compute_dtype(out.dtype)), out=out)
 
 
 def adam_bias_corrected(lr: float, beta1_pow: float, beta2_pow: float) -> tuple[float, float]:
@@ -776,7 +781,7 @@ def gate_factor(factor: float | torch.Tensor, ok: torch.Tensor | None, dtype: to
     """
     if ok is None:
         return factor
-    dtype = torch.promote_types(dtype, torch.float32)
+    dtype = compute_dtype(dtype)
     if not isinstance(factor, torch.Tensor):
         # A fill on the device: torch.tensor(factor, device=...) copies from the host and makes
         # the host wait for the GPU's queue (the same value, rounded to dtype alike).

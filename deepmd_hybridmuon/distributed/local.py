@@ -124,4 +124,4 @@ def orthogonalize_owned(
 
 def wire_dtype(work: torch.dtype) -> torch.dtype:
     """The dtype matrices travel in: it holds the update and every delta exactly (bfloat16/float16 -> float32)."""
-    return torch.promote_types(work, torch.float32)
+    return F.compute_dtype(work)

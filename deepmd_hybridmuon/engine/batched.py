@@ -80,7 +80,7 @@ class BatchedStep:
         self.inputs = inputs
         self.shared_gate = shared_gate
         self.K = compilation.kernels() if layout.triton else None
-        self.factor_dtype = torch.promote_types(layout.dtype, torch.float32)  # the decays' and -lr's dtype
+        self.factor_dtype = F.compute_dtype(layout.dtype)  # the decays' and -lr's dtype
         self.ok = inputs.ok  # the last step's finite gate (compute)
         self.settings: F.GroupSettings | None = None  # the last step's (scalars)
         self.sums: Any = None  # Magma's sums of this step (before_orthogonalize), or None
