@@ -869,7 +869,6 @@ MEMORY_VARIANTS = {
     "adamw": "fused AdamW",
     "builtin": "built-in",
     "torch-muon": "torch.optim.Muon + AdamW",
-    "ours-one-stream": "ours, its CUDA graph captured on one stream",
 }
 
 

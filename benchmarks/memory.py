@@ -98,13 +98,11 @@ VARIANTS = {
     "builtin": "builtin",
     "torch-muon": "torch-muon",
     "ours-eager": "ours",
-    "ours-one-stream": "ours",
 }
-#: Ours in the design measurements: its constructor keywords, and whether its step runs on one stream.
-OURS_SETTINGS: dict[str, tuple[dict[str, Any], bool]] = {
-    "ours": ({}, False),
-    "ours-eager": ({"implementation": "engine-eager"}, False),  # no CUDA graph
-    "ours-one-stream": ({}, True),  # the graph without side streams
+#: Ours in the design measurements: its constructor keywords.
+OURS_SETTINGS: dict[str, dict[str, Any]] = {
+    "ours": {},
+    "ours-eager": {"implementation": "engine-eager"},  # no CUDA graph
 }
 #: The variants a ``dp --pt train`` run can have -> (timing_input's variant, extra HybridMuon keys).
 TRAIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -174,7 +172,7 @@ def measure(
     """
     import torch
     from common import build_named_params
-    from step_time import environment, make_grad_pool, make_optimizer, one_stream, routing_counts, warm_device
+    from step_time import environment, make_grad_pool, make_optimizer, routing_counts, warm_device
 
     device = torch.device(device_spec)
     cuda = device.type == "cuda"
@@ -237,10 +235,7 @@ def measure(
     base, base_reserved = allocated(), reserved()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    kw, single_stream = OURS_SETTINGS.get(variant, ({}, False))
-    if single_stream:
-        one_stream()
-    opt = make_optimizer(VARIANTS[variant], named, device, kw)
+    opt = make_optimizer(VARIANTS[variant], named, device, OURS_SETTINGS.get(variant, {}))
     sync()
     built = allocated()
     t0 = time.perf_counter()

@@ -383,12 +383,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="allow torch's on-disk compile caches (default: force_disable_caches, cold compiles)",
     )
-    ap.add_argument(
-        "--no-side-streams",
-        action="store_true",
-        help="ours: capture every chain of the step on the current stream (engine.batched.Lanes), "
-        "not on side streams (the design measurement of the side streams)",
-    )
     ap.add_argument("--json", type=Path, help="write all numbers to this file")
     ap.add_argument("--traceback", action="store_true", help="print the traceback of failed variants")
     args = ap.parse_args(argv)
@@ -403,13 +397,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def one_stream() -> None:
-    """From now on ours captures every chain of its step on the current stream, none on side streams."""
-    from deepmd_hybridmuon.engine import batched, execution
-
-    execution.SideStreams = lambda device, count: batched.Lanes()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -418,8 +405,6 @@ def main(argv: list[str] | None = None) -> int:
     ours_kw = parse_kw(args.ours_kw, "--ours-kw")
     if not args.compile_cache:
         torch.compiler.config.force_disable_caches = True
-    if args.no_side_streams:
-        one_stream()
     env = environment(device)
     print(f"# Optimizer step time on {env['device_name']}")
     print()

@@ -16,14 +16,14 @@ The phases, in order:
    step with gate 0.0 still runs every phase, with every change multiplied by the gate, so that
    no phase waits for the device to read it.
 2. ``adam``: the Adam and AdamW routes. They read and write no element that phases 3-5 touch,
-   so an implementation may run them beside those (the engine does, captured, on a side stream).
+   so an implementation may run them beside those.
 3. ``before_orthogonalize``: Muon's decoupled weight decay, the momentum, Magma's partial sums
    (of the momentum and the gradient), and the Nesterov update.
 4. ``complete_sums``: Magma's sums over whole matrices; nothing to do in one process, one
    all-reduce of the shards' partial sums under FSDP2.
 5. ``orthogonalize``: Magma's multiplier, then Newton–Schulz of each update, times the Muon scale,
    the multiplier and ``-lr``. An implementation may start the Newton–Schulz of its updates
-   earlier, in ``before_orthogonalize`` (the engine does, on side streams), since it reads
+   earlier, in ``before_orthogonalize`` (the engine's torch stacks do), since it reads
    only the update; the factors are applied here.
 6. ``apply``: the parameters take their updates. An implementation may write a parameter
    earlier, once its update exists (the loop: each Muon matrix in ``orthogonalize``, one

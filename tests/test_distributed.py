@@ -916,7 +916,7 @@ def test_zero1_matches_one_process_and_resumes(run: _Run) -> None:
     # The per-parameter loop does not depend on which parameters share a rank: bitwise.
     _assert_exact(r0["loop_mid"], loop["mid"])
     _assert_exact(r0["loop_end"], loop["end"])
-    # The flat engine buckets each rank's partition: roundings of the padded stacks differ.
+    # The flat engine sums Magma over each rank's partition: roundings differ.
     start = engine["start"]
     diffs = _worst(start, r0["engine_end"], engine["end"])
     too_far = {
@@ -1009,7 +1009,7 @@ def test_fsdp2_matches_one_process(run: _Run, fsdp_reference: dict) -> None:
     _assert_matches_loop(ref["start"], res["end"], ref["end"])
     # The NaN step was skipped on both ranks (by the single process too): nothing is NaN.
     assert all(torch.isfinite(t).all() for t in res["end"].values())
-    # Against the default single process (flat engine): rounding of its padded stacks.
+    # Against the default single process (flat engine): its rounding.
     engine = _single_process_net(STEPS_BEFORE + STEPS_AFTER, nan=True, implementation="engine")
     diffs = _worst(ref["start"], res["end"], engine["end"])
     too_far = {

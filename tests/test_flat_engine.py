@@ -431,7 +431,6 @@ def test_engine_feeds_newton_schulz_the_loops_nesterov_update_exactly(monkeypatc
         runs[implementation] = list(fed)
     assert len(runs["engine-eager"]) == len(runs["loop"]) == 3
     for engine, loop in zip(runs["engine-eager"], runs["loop"], strict=True):
-        engine = engine[..., :32, :48]  # the engine's stack may be zero-padded
         assert torch.equal(engine, loop.reshape(engine.shape).to(engine.dtype))
 
 

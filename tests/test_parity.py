@@ -59,8 +59,8 @@ KERNEL_SHAPES = {
     "rep.linear.weight": (3, 16, 20),
     "rep.ls.adamw_gamma": (5, 7),
     "fit.long.matrix": (40, 300),  # too long to stay in registers: streamed through the workspace
-    # smaller side above MAX_ROWS: the torch path (tall and wide, Gram and standard; on CUDA in
-    # zero-padded buckets), in the same step as the Triton launches
+    # smaller side above MAX_ROWS: the torch path (tall and wide, Gram and standard; one stack per
+    # shape), in the same step as the Triton launches
     "big.matrix": (160, 136),
     "big.square": (144, 144),
     "huge.matrix": (264, 270),
@@ -86,8 +86,7 @@ GRAPH_OPTION_SETS = [
 ]
 
 # The loop multiplies the bf16 Newton-Schulz output by its scale in bf16 (as the built-in
-# does); the engine does it in float32, and pads matrices into shared stacks, which changes
-# the summation order of the bf16/fp16 products. Each step then differs by about one bf16
+# does); the engine does it in float32. Each step then differs by about one bf16
 # rounding (2^-8 ~ 0.4 %) of some elements; the accumulated change over 6 steps measured <= 0.3 %.
 TORCH_MUON_TOL = 1e-2
 # The Triton kernels against the loop: conftest.KERNEL_MUON_TOL.
@@ -125,7 +124,7 @@ IMPLEMENTATIONS = [
         needs_cuda=True,
         **TORCH,
     ),
-    # captured after two eager steps: the torch buckets on side streams
+    # captured after two eager steps
     Implementation(
         "engine-torch-graph",
         "engine",
@@ -144,7 +143,7 @@ IMPLEMENTATIONS = [
         steps=3,
         **TRITON,
     ),
-    # captured: Triton launches on the main stream, the torch buckets on side streams
+    # captured: the Triton launches and the torch buckets in one graph
     Implementation(
         "engine-triton-graph",
         "engine",

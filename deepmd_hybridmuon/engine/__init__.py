@@ -7,14 +7,14 @@ buffers, one job per module:
 * :mod:`.layout` (data only): which parameter goes where. A flat buffer in which each step
   turns the gradients into the updates, and flat state buffers (the optimizer's per-parameter
   state entries are views of them, in the built-in layout); every Muon matrix assigned to a
-  path: one Triton program per matrix, or a stack of the torch path (zero-padded on CUDA);
+  path: one Triton program per matrix, or a stack of the torch path (one per shape);
   their device tables.
 * :mod:`.batched` (arithmetic only): one step on those buffers, reading nothing that
   changes between steps but a few static input tensors. The math itself comes from
   :mod:`deepmd_hybridmuon.functional` (torch path) and :mod:`deepmd_hybridmuon.kernels`
   (Triton path).
 * :mod:`.execution`: stages each step's inputs (pinned host ring, one copy), runs the
-  arithmetic eagerly or as a captured CUDA graph with side streams; its docstring is the
+  arithmetic eagerly or as a captured CUDA graph; its docstring is the
   contract of that capture.
 * :mod:`.compilation`: the one place that asks whether the Triton kernels can run and
   requests their compilation.

@@ -9,21 +9,16 @@ The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`)
 * Muon: the momentum, Magma's sums (they read m and g), the Nesterov update over the gradients, then
   per matrix a factor (Muon scale x Magma x -lr) and the orthogonalised update times that factor,
   back into the same place (each program and stack reads its matrix whole before it writes): the
-  layout's Triton launches and torch stacks (zero-padded on CUDA: zero padding
-  commutes with both Newton–Schulz variants in exact arithmetic: zero rows and columns
-  stay zero, the Gram matrix of the real rows is unchanged; only rounding differs);
+  layout's Triton launches and torch stacks (one per shape);
 * out: ``p <- p * decay + update`` (a ``_foreach_mul_`` and a ``_foreach_add_``).
 
 :meth:`BatchedStep.compute` reads only static tensors (the layout's buffers and a
 :class:`StepInputs`), so it can be captured in a CUDA graph; the host part of a step is
-:meth:`BatchedStep.scalars`. Independent chains (each torch bucket, the Adam routes) run
-inside ``lanes.lane(i)``: eagerly on the current stream; captured, on side streams
-(:mod:`.execution`).
+:meth:`BatchedStep.scalars`. Every kernel runs on the current stream, in the order written.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -55,17 +50,6 @@ class StepInputs:
     def __init__(self, layout: Layout) -> None:
         self.scalars = torch.zeros(SCALARS + 2 * len(layout.adam), dtype=torch.float64, device=layout.device)
         self.ok = torch.ones((), dtype=torch.float32, device=layout.device)
-
-
-class Lanes:
-    """Where the independent chains of a step run: here, all in order on the current stream."""
-
-    def lane(self, i: int) -> contextlib.AbstractContextManager:
-        """Context in which chain ``i`` runs (:attr:`.layout.Layout.lanes` gives the order)."""
-        return contextlib.nullcontext()
-
-    def join(self) -> None:
-        """Make the current stream wait for every lane."""
 
 
 class BatchedStep:
@@ -109,12 +93,11 @@ class BatchedStep:
 
     # ---------------------------------------------------------------- device
 
-    def compute(self, lanes: Lanes | None = None) -> None:
+    def compute(self) -> None:
         """All the arithmetic of the step, by :func:`deepmd_hybridmuon.step.run`.
 
         Reads only the layout's buffers and :attr:`inputs`.
         """
-        self.lanes = lanes or Lanes()
         scalars = self.inputs.scalars
         self.muon_decay, self.neg_lr, self.adamw_decay = scalars[:PARAM_DTYPE_SCALARS].to(self.factor_dtype).unbind(0)
         self.ok = step.run(self)  # captured: the graph's tensor, which each replay rewrites
@@ -136,23 +119,19 @@ class BatchedStep:
         L = self.layout
         if not L.adam:
             return
-        # Captured, on a side stream beside the Muon phases (no element in common); every tensor
-        # it makes is made on that stream, so the allocator reuses none of them elsewhere before the join.
-        with self.lanes.lane(L.adam_lane):  # each parameter's pair of scalars, spread over its elements
-            adam = self.inputs.scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per param
-            neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # one gather kernel
-            weights, grads = adam[:2] if ok is None else ok * adam[:2], F.sanitize(L.adam_grad.to(torch.float32), ok)
-            step_size = neg_step if ok is None else neg_step * ok
-            L.adam_grad.copy_(F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size))
+        adam = self.inputs.scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per param
+        neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # each parameter's pair, one gather
+        weights, grads = adam[:2] if ok is None else ok * adam[:2], F.sanitize(L.adam_grad.to(torch.float32), ok)
+        step_size = neg_step if ok is None else neg_step * ok
+        L.adam_grad.copy_(F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size))
 
     def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Momentum, Magma's sums, and the Nesterov update in place of the gradients; the torch buckets start.
 
         Magma's sums read m and g, so they come before the update overwrites g: over segments of the flat
         buffer where :attr:`segments` exist (a GPU; FSDP2's shards), per parameter elsewhere (the CPU).
-        The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the update exists;
-        captured, it runs on side streams while the main stream computes Magma's factors and runs the Triton
-        launches. The decay waits for :meth:`apply`.
+        The torch buckets' Newton-Schulz starts as soon as the update exists (FSDP2's owners run theirs
+        beside the exchanges). The decay waits for :meth:`apply`.
         """
         L = self.layout
         grads = F.sanitize(L.muon_grad, ok, out=L.muon_grad)  # the engine's own copy: zeroed in place
@@ -166,8 +145,11 @@ class BatchedStep:
                 for o, n, bs in L.muon_rows
             ]
             self.sums = [torch.cat(sums) for sums in zip(*parts, strict=True)]
-        update = F.nesterov(L.momentum, grads, momentum, out=grads)
-        self.stacks = self._start_buckets(update, self.lanes)
+        F.nesterov(L.momentum, grads, momentum, out=grads)  # the update, in place of the gradients
+        self.stacks = []
+        for b in L.buckets:  # each bucket's matrices in one stack, converted as they are copied (none for one)
+            parts = [view.to(b.dtype) for view in b.views]
+            self.stacks.append(F.orthogonalize(parts[0] if len(parts) == 1 else torch.cat(parts), b.use_gram))
 
     @property
     def segments(self) -> F.Segments | None:
@@ -184,14 +166,12 @@ class BatchedStep:
         damp = self._damp(ok)
         factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
         factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
-        # Each bucket's stack, scaled by its blocks' factors, goes back on its lane once the factors exist;
-        # the Triton launches (main stream) read and write the other matrices' parts of the buffer.
-        for i, (b, out) in enumerate(zip(L.buckets, self.stacks, strict=True)):
-            with self.lanes.lane(i):
-                factors = factor.index_select(0, b.block_ids)
-                for boff, bs, delta in b.outputs:
-                    part = out[boff : boff + bs, : delta.size(1), : delta.size(2)]
-                    F.post_orthogonalize(part, factors[boff : boff + bs], delta)
+        for b, out in zip(L.buckets, self.stacks, strict=True):  # each stack, scaled, back into its matrices
+            factors, start = factor.index_select(0, b.block_ids), 0
+            for view in b.views:
+                end = start + view.size(0)
+                F.post_orthogonalize(out[start:end], factors[start:end], view)
+                start = end
         self.stacks = []
         for f in L.fused_paths:
             run_fused(K, f, L.muon_grad, L.muon_grad, factor)
@@ -209,24 +189,11 @@ class BatchedStep:
         return F.magma_scale_(self.layout.scores, F.magma_score(*sums), ok)
 
     def apply(self, ok: torch.Tensor | None) -> None:
-        """``p <- p * decay + update``, the decays gated, once every lane has written its updates."""
+        """``p <- p * decay + update``, the decays gated."""
         L = self.layout
-        self.lanes.join()
         if L.weight_decay:  # decay: Muon's, AdamW's, or none for Adam
             if L.adamw:
                 torch._foreach_mul_(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype))
             if L.muon:
                 torch._foreach_mul_([p for p, _ in L.muon], F.gate_factor(self.muon_decay, ok, L.dtype))
         torch._foreach_add_(L.staged, L.grad_views)
-
-    def _start_buckets(self, update: torch.Tensor, lanes: Lanes) -> list[torch.Tensor]:
-        """The torch buckets' orthogonalised stacks of ``update``, unscaled (on the side streams when captured)."""
-        L = self.layout
-        stacks = []
-        for i, b in enumerate(L.buckets):
-            with lanes.lane(i):
-                for off, bs, rows, cols, tall, part in b.inputs:
-                    view = update[off : off + bs * rows * cols].view(bs, rows, cols)
-                    part.copy_(view.mT if tall else view)
-                stacks.append(F.orthogonalize(b.stack, b.use_gram))
-        return stacks

@@ -1,4 +1,4 @@
-"""Running a :class:`~.batched.BatchedStep`: host staging, CUDA-graph capture and replay, side streams.
+"""Running a :class:`~.batched.BatchedStep`: host staging, CUDA-graph capture and replay.
 
 Contract of :class:`Executor`:
 
@@ -13,9 +13,9 @@ Contract of :class:`Executor`:
   once the copy that last read it has run (its event; at once, in practice).
 * **Capture.** On CUDA with ``use_graph``, after :data:`GRAPH_WARMUP` eager steps (so
   cuBLAS and the caching allocator settle, as torch's CUDA-graph notes advise),
-  ``step.compute`` is captured once, each independent chain (torch bucket, Adam routes)
-  on a high-priority side stream of its own (they are the step's critical path). This
-  holds on the torch path while the Triton kernels compile too: they compile in another
+  ``step.compute`` is captured once, on one stream per device (:func:`capture_stream`: cuBLAS
+  keeps a workspace for each stream it runs on). This holds on the torch path while the
+  Triton kernels compile too: they compile in another
   process, and this one loads them only between steps, when the optimizer asks whether
   they are ready (and then builds a new engine, which captures anew), never inside a capture.
 * **Collectives.** A collective of the step (FSDP2's exchanges) runs through
@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import warnings
 from collections.abc import Callable
 
 import torch
 
-from .batched import BatchedStep, Lanes
+from .batched import BatchedStep
 
 #: Eager steps before a CUDA graph of the step is captured.
 GRAPH_WARMUP = 2
@@ -69,8 +70,7 @@ class _Capture:
     events meanwhile.
     """
 
-    def __init__(self, join: Callable[[], None]) -> None:
-        self.join = join  # a graph ends only once every side stream has joined the capture stream
+    def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
         self.parts: list[Callable[[], None]] = []
         self._begin()
@@ -81,7 +81,6 @@ class _Capture:
 
     def end(self) -> None:
         """End the graph being captured."""
-        self.join()
         with warnings.catch_warnings():  # a rank that owns no matrix launches nothing between the exchanges
             warnings.filterwarnings("ignore", "The CUDA Graph is empty")
             self.graph.capture_end()
@@ -99,29 +98,14 @@ class _Capture:
             part()
 
 
-class SideStreams(Lanes):
-    """Lanes on streams of their own (while capturing), each starting after what the current stream queued."""
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream on which every step on ``device`` is captured, one for the process.
 
-    def __init__(self, device: torch.device, count: int) -> None:
-        self.device = device
-        # High priority: these chains are the step's critical path. Run on the current stream
-        # instead, the step was slower on every model measured (BENCHMARKS.md, "Why side streams").
-        self.streams = [torch.cuda.Stream(device, priority=-1) for _ in range(count)]
-        self.forked: list[torch.cuda.Stream] = []  # the lanes used since the last join
-
-    def lane(self, i: int) -> contextlib.AbstractContextManager:
-        """Side stream ``i``, after everything the current stream has queued."""
-        side = self.streams[i]
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        self.forked.append(side)
-        return torch.cuda.stream(side)
-
-    def join(self) -> None:
-        """The current stream waits for every lane used since the last join (only those take part in the capture)."""
-        main = torch.cuda.current_stream(self.device)
-        for side in self.forked:
-            main.wait_stream(side)
-        self.forked = []
+    cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it runs on; a new stream per
+    capture would add one at each rebuild of an engine.
+    """
+    return torch.cuda.Stream(device)
 
 
 class Executor:
@@ -174,13 +158,12 @@ class Executor:
         return self.capture is not None
 
     def _capture(self) -> None:
-        lanes = SideStreams(self.device, self.step.layout.lanes)
         torch.cuda.synchronize(self.device)  # the staged inputs are in place before the capture stream reads them
-        with torch.cuda.stream(torch.cuda.Stream(self.device)):
-            capture = _Capture(lanes.join)
+        with torch.cuda.stream(capture_stream(self.device)):
+            capture = _Capture()
             token = _CAPTURING.set(capture)
             try:
-                self.step.compute(lanes)
+                self.step.compute()
             except BaseException:
                 with contextlib.suppress(RuntimeError):  # end the failed capture; the first error is the one to see
                     capture.end()

@@ -172,5 +172,5 @@ class GroupEngine:
             "kernels": kernels,
             "cuda_graph": self.executor.captured,
             "program_matrices": sum(len(f.meta) for f in L.fused_paths),
-            "torch_matrices": [(rows, cols) for b in L.buckets for _, _, rows, cols, _, _ in b.members],
+            "torch_matrices": [(b.rows, b.cols) for b in L.buckets for _ in b.members],
         }

@@ -8,8 +8,7 @@ changes). It holds
   momentum; the Magma scores. The optimizer's per-parameter state entries (``state[p]["exp_avg"]``...)
   become views of them (:func:`deepmd_hybridmuon.state.adopt`), so the state keeps the built-in layout;
 * the assignment of every Muon matrix to a path (:func:`assign`): one Triton program per
-  matrix (:class:`Fused`) or a stack of the torch path (:class:`Bucket`: zero-padded on CUDA, one per shape on
-  the CPU);
+  matrix (:class:`Fused`) or a stack of the torch path (:class:`Bucket`: one per shape, no padding);
 * the device tables and workspaces of those paths (offsets, sides, strides).
 
 Nothing here runs the step: :mod:`.batched` does the arithmetic on these buffers.
@@ -38,20 +37,16 @@ def split_views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Te
 
 @dataclass
 class Bucket:
-    """Matrices orthogonalised by ``functional.orthogonalize`` in one stack (zero-padded and wide on CUDA)."""
+    """Matrices of one shape and schedule, orthogonalised by ``functional.orthogonalize`` in one stack."""
 
     use_gram: bool
+    rows: int
+    cols: int
     batch: int = 0
-    rows: int = 0  # the stack's sides (CUDA: the padded smaller side, then the larger)
-    cols: int = 0
-    members: list[tuple[int, int, int, int, int, bool]] = field(default_factory=list)
-    # (flat offset, batch, rows, cols, batch offset in bucket, transposed)
-    stack: torch.Tensor | None = None  # persistent input (zero-padded on CUDA)
+    members: list[tuple[int, int]] = field(default_factory=list)  # (flat offset, batch) per parameter
     blocks: list[int] = field(default_factory=list)  # global block index of each stack row
-    # per member: (flat offset, batch, rows, cols, transposed, its part of the stack)
-    inputs: list[tuple[int, int, int, int, bool, torch.Tensor]] = field(default_factory=list)
-    # per member: (batch offset in bucket, batch, its part of muon_grad as the stack holds it: wide on CUDA)
-    outputs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    views: list[torch.Tensor] = field(default_factory=list)  # each member's part of muon_grad, (batch, rows, cols)
+    dtype: torch.dtype = torch.bfloat16  # the iteration's input dtype
     block_ids: torch.Tensor | None = None
 
 
@@ -78,7 +73,7 @@ def assign(
     (everything without ``K``) into torch buckets.
     """
     fused: dict[tuple[bool, bool], Fused] = {}
-    buckets: dict[tuple[bool, tuple[int, int]], Bucket] = {}
+    buckets: dict[tuple[bool, int, int], Bucket] = {}
     offset = block = 0
     for bs, rows, cols in views:
         gram = F.takes_gram(rows, cols, use_gram, device)
@@ -91,16 +86,11 @@ def assign(
             for i in range(bs):
                 f.meta.append([offset + i * rows * cols, f.size, small, large, *strides, block + i, 0])
                 f.size += rows * cols
-        else:
-            # CUDA: one zero-padded stack per path, wide: padding costs idle FLOPs but saves launches, which
-            # dominate at DeePMD sizes. The CPU: FLOPs cost: one stack per shape, as it is (no padding, no transpose).
-            cuda = device.type == "cuda"
-            r, c = (small, large) if cuda else (rows, cols)
-            b = buckets.setdefault((gram, (0, 0) if cuda else (r, c)), Bucket(gram))
-            b.members.append((offset, bs, rows, cols, b.batch, cuda and rows > cols))
+        else:  # one stack per shape, as the matrix is: no padding, no transposed copy
+            b = buckets.setdefault((gram, rows, cols), Bucket(gram, rows, cols))
+            b.members.append((offset, bs))
             b.blocks.extend(range(block, block + bs))
             b.batch += bs
-            b.rows, b.cols = max(b.rows, r), max(b.cols, c)
         block += bs
         offset += bs * rows * cols
     return list(fused.values()), list(buckets.values())
@@ -180,19 +170,6 @@ class Layout:
         self._build_adam(state, adam_keys)
         self._build_muon(state, group, kernels, [p for p, _ in muon_keys], paths)
 
-    @property
-    def lanes(self) -> int:
-        """Independent chains of a step that may run on streams of their own.
-
-        In order: each torch bucket, then the Adam routes (if the group has any).
-        """
-        return self.adam_lane + (1 if self.adam else 0)
-
-    @property
-    def adam_lane(self) -> int:
-        """The lane of the Adam routes: after every torch bucket's."""
-        return len(self.buckets)
-
     # ------------------------------------------------------------------ state
 
     def _build_adam(self, state: dict, keys: list[torch.Tensor]) -> None:
@@ -253,16 +230,9 @@ class Layout:
     # ------------------------------------------------------------------ tables
 
     def _build_bucket(self, b: Bucket) -> None:
-        """The views into and out of a torch bucket's stack, and the stack."""
-        kw = {"device": self.device}
-        # The stack holds the iteration's input dtype (float32 for the Gram form, bfloat16 for the standard
-        # one: functional.gram_form), so the copy in converts, as the reference's first ``.to`` would.
-        dtype = torch.float32 if b.use_gram and F.gram_form(self.device) else torch.bfloat16
-        b.stack = torch.zeros(b.batch, b.rows, b.cols, dtype=dtype, **kw)
-        b.inputs, b.outputs = [], []
-        for off, bs, rows, cols, boff, tall in b.members:
-            flat = self.muon_grad[off : off + bs * rows * cols].view(bs, rows, cols)
-            b.outputs.append((boff, bs, flat.mT if tall else flat))
-            r, c = (cols, rows) if tall else (rows, cols)
-            b.inputs.append((off, bs, rows, cols, tall, b.stack[boff : boff + bs, :r, :c]))
-        b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, **kw)
+        """A torch bucket's views of the flat buffer, its input dtype and its blocks' indices."""
+        # float32 for the Gram form, bfloat16 for the standard one (functional.gram_form): the stack converts
+        # as it is made, as the reference's first ``.to`` would
+        b.dtype = torch.float32 if b.use_gram and F.gram_form(self.device) else torch.bfloat16
+        b.views = [self.muon_grad[off : off + bs * b.rows * b.cols].view(bs, b.rows, b.cols) for off, bs in b.members]
+        b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, device=self.device)
