@@ -14,11 +14,13 @@ The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`)
 
 :meth:`BatchedStep.compute` reads only static tensors (the layout's buffers and a
 :class:`StepInputs`), so it can be captured in a CUDA graph; the host part of a step is
-:meth:`BatchedStep.scalars`. Every kernel runs on the current stream, in the order written.
+:meth:`BatchedStep.scalars`. The torch stacks' chains of kernels run inside ``lane``: eagerly on the
+current stream; captured, on one side stream beside the Triton launches (:mod:`.execution`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -50,6 +52,17 @@ class StepInputs:
     def __init__(self, layout: Layout) -> None:
         self.scalars = torch.zeros(SCALARS + 2 * len(layout.adam), dtype=torch.float64, device=layout.device)
         self.ok = torch.ones((), dtype=torch.float32, device=layout.device)
+
+
+class Lane:
+    """Where the torch stacks run: here, in order on the current stream."""
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        """Context of a part of the torch stacks' chain, after everything queued so far."""
+        return contextlib.nullcontext()
+
+    def join(self) -> None:
+        """Make the current stream wait for the lane."""
 
 
 class BatchedStep:
@@ -93,11 +106,12 @@ class BatchedStep:
 
     # ---------------------------------------------------------------- device
 
-    def compute(self) -> None:
+    def compute(self, lane: Lane | None = None) -> None:
         """All the arithmetic of the step, by :func:`deepmd_hybridmuon.step.run`.
 
         Reads only the layout's buffers and :attr:`inputs`.
         """
+        self.lane = lane or Lane()
         scalars = self.inputs.scalars
         self.muon_decay, self.neg_lr, self.adamw_decay = scalars[:PARAM_DTYPE_SCALARS].to(self.factor_dtype).unbind(0)
         self.ok = step.run(self)  # captured: the graph's tensor, which each replay rewrites
@@ -130,8 +144,9 @@ class BatchedStep:
 
         Magma's sums read m and g, so they come before the update overwrites g: over segments of the flat
         buffer where :attr:`segments` exist (a GPU; FSDP2's shards), per parameter elsewhere (the CPU).
-        The torch buckets' Newton-Schulz starts as soon as the update exists (FSDP2's owners run theirs
-        beside the exchanges). The decay waits for :meth:`apply`.
+        The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the update exists;
+        captured, it runs on a side stream while this one computes Magma's factors and runs the Triton
+        launches. The decay waits for :meth:`apply`.
         """
         L = self.layout
         grads = F.sanitize(L.muon_grad, ok, out=L.muon_grad)  # the engine's own copy: zeroed in place
@@ -147,9 +162,10 @@ class BatchedStep:
             self.sums = [torch.cat(sums) for sums in zip(*parts, strict=True)]
         F.nesterov(L.momentum, grads, momentum, out=grads)  # the update, in place of the gradients
         self.stacks = []
-        for b in L.buckets:  # each bucket's matrices in one stack, converted as they are copied (none for one)
-            parts = [view.to(b.dtype) for view in b.views]
-            self.stacks.append(F.orthogonalize(parts[0] if len(parts) == 1 else torch.cat(parts), b.use_gram))
+        with self.lane():
+            for b in L.buckets:  # each bucket's matrices in one stack, converted as they are copied (none for one)
+                parts = [view.to(b.dtype) for view in b.views]
+                self.stacks.append(F.orthogonalize(parts[0] if len(parts) == 1 else torch.cat(parts), b.use_gram))
 
     @property
     def segments(self) -> F.Segments | None:
@@ -166,12 +182,13 @@ class BatchedStep:
         damp = self._damp(ok)
         factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
         factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
-        for b, out in zip(L.buckets, self.stacks, strict=True):  # each stack, scaled, back into its matrices
-            factors, start = factor.index_select(0, b.block_ids), 0
-            for view in b.views:
-                end = start + view.size(0)
-                F.post_orthogonalize(out[start:end], factors[start:end], view)
-                start = end
+        with self.lane():  # each stack, scaled by its blocks' factors, back into its matrices
+            for b, out in zip(L.buckets, self.stacks, strict=True):
+                factors, start = factor.index_select(0, b.block_ids), 0
+                for view in b.views:
+                    end = start + view.size(0)
+                    F.post_orthogonalize(out[start:end], factors[start:end], view)
+                    start = end
         self.stacks = []
         for f in L.fused_paths:
             run_fused(K, f, L.muon_grad, L.muon_grad, factor)
@@ -189,8 +206,9 @@ class BatchedStep:
         return F.magma_scale_(self.layout.scores, F.magma_score(*sums), ok)
 
     def apply(self, ok: torch.Tensor | None) -> None:
-        """``p <- p * decay + update``, the decays gated."""
+        """``p <- p * decay + update``, the decays gated, once the torch stacks have written their updates."""
         L = self.layout
+        self.lane.join()
         if L.weight_decay:  # decay: Muon's, AdamW's, or none for Adam
             if L.adamw:
                 torch._foreach_mul_(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype))

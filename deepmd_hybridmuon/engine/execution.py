@@ -13,9 +13,11 @@ Contract of :class:`Executor`:
   once the copy that last read it has run (its event; at once, in practice).
 * **Capture.** On CUDA with ``use_graph``, after :data:`GRAPH_WARMUP` eager steps (so
   cuBLAS and the caching allocator settle, as torch's CUDA-graph notes advise),
-  ``step.compute`` is captured once, on one stream per device (:func:`capture_stream`: cuBLAS
-  keeps a workspace for each stream it runs on). This holds on the torch path while the
-  Triton kernels compile too: they compile in another
+  ``step.compute`` is captured once, the torch stacks on a high-priority side stream beside
+  the Triton launches (they are the step's critical path). cuBLAS keeps a workspace (32 MiB
+  on Hopper) for each stream it runs on, so every capture of the process uses the same two
+  streams (:func:`stream`), and the engine's products run on the side one. This holds on the torch path
+  while the Triton kernels compile too: they compile in another
   process, and this one loads them only between steps, when the optimizer asks whether
   they are ready (and then builds a new engine, which captures anew), never inside a capture.
 * **Collectives.** A collective of the step (FSDP2's exchanges) runs through
@@ -40,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from .batched import BatchedStep
+from .batched import BatchedStep, Lane
 
 #: Eager steps before a CUDA graph of the step is captured.
 GRAPH_WARMUP = 2
@@ -70,7 +72,8 @@ class _Capture:
     events meanwhile.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, join: Callable[[], None]) -> None:
+        self.join = join  # a graph ends only once the side stream has joined the capture stream
         self.pool = torch.cuda.graph_pool_handle()
         self.parts: list[Callable[[], None]] = []
         self._begin()
@@ -81,6 +84,7 @@ class _Capture:
 
     def end(self) -> None:
         """End the graph being captured."""
+        self.join()
         with warnings.catch_warnings():  # a rank that owns no matrix launches nothing between the exchanges
             warnings.filterwarnings("ignore", "The CUDA Graph is empty")
             self.graph.capture_end()
@@ -99,13 +103,30 @@ class _Capture:
 
 
 @functools.cache
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream on which every step on ``device`` is captured, one for the process.
+def stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    """The process's stream of ``priority`` on ``device``: a capture's (0) or its side stream (-1, high)."""
+    return torch.cuda.Stream(device, priority=priority)
 
-    cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it runs on; a new stream per
-    capture would add one at each rebuild of an engine.
-    """
-    return torch.cuda.Stream(device)
+
+class SideLane(Lane):
+    """The torch stacks on the side stream (while capturing), each part after what the current stream queued."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side = stream(device, -1)
+        self.forked = False
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        """The side stream, after everything the current stream has queued."""
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        self.forked = True
+        return torch.cuda.stream(self.side)
+
+    def join(self) -> None:
+        """The current stream waits for the side stream, if used since the last join (it then takes part)."""
+        if self.forked:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+            self.forked = False
 
 
 class Executor:
@@ -158,12 +179,13 @@ class Executor:
         return self.capture is not None
 
     def _capture(self) -> None:
+        lane = SideLane(self.device)
         torch.cuda.synchronize(self.device)  # the staged inputs are in place before the capture stream reads them
-        with torch.cuda.stream(capture_stream(self.device)):
-            capture = _Capture()
+        with torch.cuda.stream(stream(self.device, 0)):
+            capture = _Capture(lane.join)
             token = _CAPTURING.set(capture)
             try:
-                self.step.compute()
+                self.step.compute(lane)
             except BaseException:
                 with contextlib.suppress(RuntimeError):  # end the failed capture; the first error is the one to see
                     capture.end()
