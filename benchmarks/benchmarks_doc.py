@@ -476,10 +476,21 @@ def cost_model() -> str:
 STEP = "step_time_h100_2026-11-27.json"
 #: Runs of the same step code (ours and AdamW) on other H100 machines that day: how much the numbers move.
 STEP_RUNS = [STEP, *(f"step_time_h100_2026-11-27_{k}.json" for k in ("a1", "a2", "b1", "b2", "c1", "c2"))]
-#: The side streams' design measurement: (with them, without), two runs each, interleaved on one machine.
-SIDE_STREAMS = [
-    (f"step_time_h100_2026-11-27_{k}.json", f"step_time_h100_2026-11-27_{k}_no_side_streams.json") for k in ("b1", "b2")
+#: The torch stacks' design measurement, one call, alternating: (version, results file) in the order run.
+STREAMS_VERSIONS = ["old", "one", "new", "new", "one", "old"]
+STREAMS = [(v, f"step_time_h200_2026-11-28_streams_{i}_{v}.json") for i, v in enumerate(STREAMS_VERSIONS, 1)]
+#: End to end, each model in one call: (model, [(version, file), ...]) alternating.
+STREAMS_E2E = [
+    (
+        m,
+        [
+            (v, f"train_speed_{m}_h200_2026-11-28_streams_{i}_{v}.json")
+            for i, v in enumerate(["old", "new", "new", "old"], 1)
+        ],
+    )
+    for m in ("se_e2_a", "dpa3", "dpa4")
 ]
+STREAMS_MEMORY = ("stacks_memory_09d614a_h200_2026-11-28.json", "memory_h200_2026-11-28.json")
 
 
 def step_medians(name: str, config: str) -> dict[str, float]:
@@ -742,11 +753,7 @@ def step_before_after() -> str:
 
 # ------------------------------------------------------------------------------- cold start
 
-COLD = [
-    "cold_start_dpa3_dpa4_h100_2026-11-26.json",
-    "cold_start_dpa4_defaults_h100_2026-11-26.json",
-    "cold_start_dpa3_pair2_h100_2026-11-26.json",
-]
+COLD = ["cold_start_dpa3_dpa4_h200_2026-11-28.json"]
 
 
 def cold_start() -> str:
@@ -803,27 +810,49 @@ def design_graph() -> str:
     return table(head, rows, right=2) + "\n\n" + sources([n for n, _ in GRAPH])
 
 
-def design_side_streams() -> str:
+def design_stacks() -> str:
+    """The torch stacks: padded with a side stream each (old), per shape on one stream (one), per shape on one side
+    stream (new): step, end to end, memory."""
+    label = {"old": "09d614a", "one": "f002671", "new": "f04f4c5"}
     rows = []
-    for config in load(STEP)["configs"]:
-        runs = [(step_medians(on, config), step_medians(off, config)) for on, off in SIDE_STREAMS]
+    for config in load(STREAMS[0][1])["configs"]:
+        cells = [MODEL[config]]
+        for version in ("old", "one", "new"):
+            runs = [step_medians(name, config) for v, name in STREAMS if v == version]
+            cells.append(" / ".join(f"{r['ours']:.3f} ({r['ours'] / r['adamw']:.2f}{TIMES})" for r in runs))
+        rows.append(cells)
+    head = ["model", *(f"step ms, {label[v]} (two runs; {TIMES} AdamW's)" for v in ("old", "one", "new"))]
+    text = table(head, rows)
+    rows = []
+    for model, runs in STREAMS_E2E:
+        by = {v: [load(n)["results"][0]["average_s_per_batch"] for u, n in runs if u == v] for v in ("old", "new")}
+        new = commit(runs[1][1])
         rows.append(
             [
-                MODEL[config],
-                " / ".join(f"{on['ours']:.2f}" for on, _ in runs),
-                " / ".join(f"{off['ours']:.2f}" for _, off in runs),
-                " / ".join(f"{on['ours'] / on['adamw']:.2f}" for on, _ in runs),
-                " / ".join(f"{off['ours'] / off['adamw']:.2f}" for _, off in runs),
+                MODEL[f"{model}_water"],
+                " / ".join(f"{x:.4f}" for x in by["old"]),
+                new,
+                " / ".join(f"{x:.4f}" for x in by["new"]),
             ]
         )
-    head = [
-        "model",
-        "ours median ms, side streams (two runs)",
-        "one stream (two runs)",
-        f"{VS_ADAMW}, side streams",
-        f"{VS_ADAMW}, one stream",
-    ]
-    return table(head, rows) + "\n\n" + sources([name for pair in SIDE_STREAMS for name in pair])
+    text += "\n\n" + table(["model", "s/batch, 09d614a (two runs)", "against", "s/batch (two runs)"], rows)
+    before, after = (load(n)["optimizer_alone"] for n in STREAMS_MEMORY)
+    rows = []
+    for config in before:
+        for variant in ("ours", "ours-torch"):
+            a = next(r for r in before[config]["results"] if r["variant"] == variant)
+            b = next(r for r in after[config]["results"] if r["variant"] == variant)
+            rows.append(
+                [
+                    MODEL[config],
+                    MEMORY_VARIANTS[variant],
+                    f"{a['resident_mib']:.1f} / {a['peak_mib']:.1f}",
+                    f"{b['resident_mib']:.1f} / {b['peak_mib']:.1f}",
+                ]
+            )
+    text += "\n\n" + table(["model", "optimizer", "MiB resident / peak, 09d614a", "f04f4c5"], rows)
+    names = [n for _, n in STREAMS] + [n for _, runs in STREAMS_E2E for _, n in runs] + list(STREAMS_MEMORY)
+    return text + "\n\n" + sources(names)
 
 
 def design_ddp_split() -> str:
@@ -979,7 +1008,7 @@ BLOCKS = {
     "cpu-time-to-accuracy": cpu_time_to_accuracy,
     "step-before-after": step_before_after,
     "design-graph": design_graph,
-    "design-side-streams": design_side_streams,
+    "design-stacks": design_stacks,
     "design-ddp-split": design_ddp_split,
     "design-alignment": design_alignment,
     "memory": memory,
