@@ -855,6 +855,33 @@ def design_stacks() -> str:
     return text + "\n\n" + sources(names)
 
 
+TRITON_STEP = [f"step_time_h200_2026-11-28_triton_r{r}.json" for r in (1, 2)]
+TRITON_E2E = [
+    f"train_speed_dpa3_h200_2026-11-28_triton_{i}_{v}.json"
+    for i, v in enumerate(("with", "without", "without", "with"), 1)
+]
+
+
+def design_triton() -> str:
+    """Ours with and without the Triton kernels (``flash_muon`` false): step (two rounds), DPA-3 end to end."""
+    rows = []
+    for config in load(TRITON_STEP[0])["configs"]:
+        runs = [step_medians(name, config) for name in TRITON_STEP]
+        rows.append(
+            [MODEL[config], *(" / ".join(f"{r[v]:.3f}" for r in runs) for v in ("ours", "ours-noflash", "adamw"))]
+        )
+    text = table(["model", "step ms, Triton kernels (two rounds)", "torch kernels only", "AdamW"], rows)
+    by = {
+        v: [load(n)["results"][0]["average_s_per_batch"] for n in TRITON_E2E if n.endswith(f"_{v}.json")]
+        for v in ("with", "without")
+    }
+    text += "\n\n" + table(
+        ["model", "s/batch, Triton kernels (two runs)", "torch kernels only (two runs)"],
+        [["DPA-3 water", *(" / ".join(f"{x:.4f}" for x in by[v]) for v in ("with", "without"))]],
+    )
+    return text + "\n\n" + sources(TRITON_STEP + TRITON_E2E)
+
+
 def design_ddp_split() -> str:
     d = load("ddp_split_h200x2_2026-11-23.json")
     rows = [
@@ -1009,6 +1036,7 @@ BLOCKS = {
     "step-before-after": step_before_after,
     "design-graph": design_graph,
     "design-stacks": design_stacks,
+    "design-triton": design_triton,
     "design-ddp-split": design_ddp_split,
     "design-alignment": design_alignment,
     "memory": memory,
