@@ -25,7 +25,6 @@ Usage::
     python benchmarks/step_time.py --configs se_e2_a_water --steps 3 --warmup 1
     python benchmarks/step_time.py --variants ours,builtin,adamw --json out.json
     python benchmarks/step_time.py --variants ours --ours-kw implementation=loop
-    python benchmarks/step_time.py --variants ours,adamw --no-side-streams   # every chain on one stream
 """
 
 from __future__ import annotations

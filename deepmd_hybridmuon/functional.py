@@ -411,7 +411,7 @@ def takes_gram(rows: int, cols: int, use_gram: bool, device: torch.device) -> bo
 
 
 def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
-    """Orthogonalise a ``(batch, m, n)`` stack.
+    """Orthogonalise a ``(batch, m, n)`` stack into a new tensor, leaving ``G`` as it was (it may be a live buffer).
 
     The matrices :func:`takes_gram` names take the Gram schedule: by :func:`gram_newton_schulz` where
     :func:`gram_form` says so, else its polynomials by :func:`newton_schulz`; the others the bfloat16 standard path.

@@ -845,7 +845,7 @@ def test_the_check_counts_each_newton_schulz_path_as_the_engine_lays_it_out(tmp_
     fused, buckets = assign(views, K, True, torch.device("cuda"))
     assert int(total) == sum(bs for bs, _, _ in views) == 10  # the 240-wide fitting layers among them
     assert int(triton) == sum(len(f.meta) for f in fused) == 4, line
-    assert sum(b.batch for b in buckets) == 6 and all(not F.on_triton(b.rows) for b in buckets)
+    assert sum(b.batch for b in buckets) == 6 and all(not F.on_triton(min(b.rows, b.cols)) for b in buckets)
 
 
 def test_optimizer_error_words_dargs_errors_with_or_without_the_input_file(tmp_path):

@@ -85,7 +85,7 @@ SPAWN_TIMEOUT = 240
 # order of float32 summation: Muon tensors within OWNER_RTOL_MUON, Adam tensors exact.
 #
 #: The flat engine (one process, the default implementation) against the loop (and each ZeRO-1 rank's
-#: engine on its partition): zero padding and bucketing (on a GPU) and the float16
+#: engine on its partition): Magma's sums and the float16
 #: Gram form change roundings (test_parity_builtin.ENGINE_VS_LOOP_RTOL, 2^-7 = 7.8e-3).
 #: Measured here after 5 steps, worst parameter, when the CPU still ran the float16 Gram form: FSDP2 vs
 #: one-process engine 4.3e-3 (``extra.slab``, Gram path; Adam routes 0.0); ZeRO-1 engines vs one-process

@@ -625,3 +625,13 @@ def test_the_written_out_algorithm_states_the_specifications_constants() -> None
         f"{floor:g} + {1 - floor:g}*score, the score a running average (EMA {decay:g}, from {F.MAGMA_INITIAL_SCORE:g})"
         in magma
     )
+
+
+@pytest.mark.parametrize("use_gram", [True, False])
+@pytest.mark.parametrize("shape", [(2, 8, 12), (2, 12, 8), (3, 8, 8)])
+def test_orthogonalize_leaves_its_input_as_it_was(shape, use_gram):
+    # The engine hands it views of its update buffer (a torch stack of one matrix, FSDP2's owned matrices).
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 8  # entries above 2: the downscale acts
+    before = G.clone()
+    F.orthogonalize(G, use_gram)
+    assert torch.equal(G, before)

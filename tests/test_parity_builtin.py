@@ -60,7 +60,7 @@ LOOP_MUON_RTOL_STANDARD = 2.0**-7
 #: products in another order (the engine's buckets: <= 6.5e-3 per call, see test_functional), which momentum
 #: averages. Measured (DPA-2 small, 10 steps): 0 (bitwise) with the CPU's arithmetic, where the engine stacks each
 #: shape as it is and runs the same products as the loop; 1.8e-4 with the GPU's float16 Gram form. 2^-7 is kept
-#: for the padded stacks of a GPU.
+#: for the float16 Gram form's rounding on other models.
 ENGINE_VS_LOOP_RTOL = 2.0**-7
 
 
@@ -222,7 +222,7 @@ def test_engine_matches_reference_loop(
     assert [row["implementation"] for row in (*engine.execution_table(), *loop.execution_table())] == ["engine", "loop"]
 
     # DPA-2-small has several Muon matrices of one shape ((4, 8), (24, 8) and (8, 8),
-    # three each) and several short sides, so stacking and padding are exercised.
+    # three each) and several short sides, so stacking is exercised.
     views = [F.route_parameter(n, p.shape, "slice").view for n, p in dpa2_named if p.numel()]
     shapes = [v[1:] for v in views if v is not None]
     assert max(shapes.count(s) for s in set(shapes)) >= 2

@@ -163,7 +163,7 @@ class BatchedStep:
         F.nesterov(L.momentum, grads, momentum, out=grads)  # the update, in place of the gradients
         self.stacks = []
         with self.lane():
-            for b in L.buckets:  # each bucket's matrices in one stack, converted as they are copied (none for one)
+            for b in L.buckets:  # each bucket's matrices in one stack of the iteration's dtype (one alone: not copied)
                 parts = [view.to(b.dtype) for view in b.views]
                 self.stacks.append(F.orthogonalize(parts[0] if len(parts) == 1 else torch.cat(parts), b.use_gram))
 

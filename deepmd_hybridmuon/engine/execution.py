@@ -15,8 +15,8 @@ Contract of :class:`Executor`:
   cuBLAS and the caching allocator settle, as torch's CUDA-graph notes advise),
   ``step.compute`` is captured once, the torch stacks on a high-priority side stream beside
   the Triton launches (they are the step's critical path). cuBLAS keeps a workspace (32 MiB
-  on Hopper) for each stream it runs on, so every capture of the process uses the same two
-  streams (:func:`stream`), and the engine's products run on the side one. This holds on the torch path
+  on Hopper) for each (handle, stream) it runs on, so every capture of a thread uses the same
+  two streams (:func:`stream`), and the engine's products run on the side one. This holds on the torch path
   while the Triton kernels compile too: they compile in another
   process, and this one loads them only between steps, when the optimizer asks whether
   they are ready (and then builds a new engine, which captures anew), never inside a capture.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -103,8 +104,11 @@ class _Capture:
 
 
 @functools.cache
-def stream(device: torch.device, priority: int) -> torch.cuda.Stream:
-    """The process's stream of ``priority`` on ``device``: a capture's (0) or its side stream (-1, high)."""
+def stream(device: torch.device, priority: int, thread: int) -> torch.cuda.Stream:
+    """The stream of ``priority`` on ``device`` for ``thread``: a capture's (0) or its side stream (-1, high).
+
+    One per thread: two threads capturing at once must not share a stream.
+    """
     return torch.cuda.Stream(device, priority=priority)
 
 
@@ -113,7 +117,7 @@ class SideLane(Lane):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.side = stream(device, -1)
+        self.side = stream(device, -1, threading.get_ident())
         self.forked = False
 
     def __call__(self) -> contextlib.AbstractContextManager:
@@ -181,7 +185,7 @@ class Executor:
     def _capture(self) -> None:
         lane = SideLane(self.device)
         torch.cuda.synchronize(self.device)  # the staged inputs are in place before the capture stream reads them
-        with torch.cuda.stream(stream(self.device, 0)):
+        with torch.cuda.stream(stream(self.device, 0, threading.get_ident())):
             capture = _Capture(lane.join)
             token = _CAPTURING.set(capture)
             try:
