@@ -36,20 +36,15 @@ SECTIONS: tuple[str, ...] = ("model", "learning_rate", "optimizer", "loss", "tra
 #: Legacy optimizer keys of ``training`` (deepmd-kit < 3.2) and their key in the ``optimizer`` section.
 LEGACY_OPTIMIZER_KEYS: dict[str, str] = {
     "opt_type": "type",
-    **{
-        key: key
-        for key in (
-            "weight_decay",
-            "momentum",
-            "muon_momentum",
-            "adam_beta1",
-            "adam_beta2",
-            "lr_adjust",
-            "lr_adjust_coeff",
-            "muon_2d_only",
-            "min_2d_dim",
-        )
-    },
+    "weight_decay": "weight_decay",
+    "momentum": "momentum",
+    "muon_momentum": "muon_momentum",
+    "adam_beta1": "adam_beta1",
+    "adam_beta2": "adam_beta2",
+    "lr_adjust": "lr_adjust",
+    "lr_adjust_coeff": "lr_adjust_coeff",
+    "muon_2d_only": "muon_2d_only",
+    "min_2d_dim": "min_2d_dim",
 }
 
 
