@@ -76,12 +76,8 @@ class _Phases:
             else:
                 self.adam_params.append((p, p.grad, route.route))
         self.gates: dict[torch.device, torch.Tensor] = {}
+        self.has_muon = bool(self.matrices)  # step.run: phases 3-5 have work (the matrices are fixed from here)
         self.ungated = True  # step.run: a taken step on the CPU runs without the gating arithmetic
-
-    @property
-    def has_muon(self) -> bool:
-        """Whether the group has Muon matrices with gradients (phases 3-5 have work)."""
-        return bool(self.matrices)
 
     def _ok(self, ok: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """The one gate ``ok``, copied once to each device the group's parameters live on (``None`` stays)."""
