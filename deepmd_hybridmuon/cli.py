@@ -615,13 +615,11 @@ def check_input(
 ) -> dict[str, Any]:
     """Validate ``path`` as deepmd would; print the learning rate, optimizer settings, routing and the run's plan.
 
-    Everything is computed before the first line is printed (building the model makes
-    deepmd log its advice on threads). ``routing=False`` skips building the model;
-    ``table=True`` adds one row per parameter to the per-route summary and, as
-    ``verbose=True`` does, how the optimizer runs under each ``zero_stage``.
+    Everything is computed before the first line is printed (building the model makes deepmd log its advice on threads).
+    ``routing=False`` skips building the model; ``table=True`` adds one row per parameter to the per-route summary and,
+    as ``verbose=True`` does, how the optimizer runs under each ``zero_stage``.
 
-    Returns the normalised input. Raises :class:`CheckError` with the key path, the bad value
-    and what is allowed.
+    Returns the normalised input. Raises :class:`CheckError` with the key path, the bad value and what is allowed.
     """
     from .options import OPTION
     from .validation import check_option

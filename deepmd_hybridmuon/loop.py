@@ -1,15 +1,13 @@
 """The per-parameter loop: the reference implementation of one param_group's step.
 
-The phases of :func:`deepmd_hybridmuon.step.run`, each one parameter at a time, with the rules
-of :mod:`.functional` (the algorithm is written out in
-:class:`~deepmd_hybridmuon.HybridMuonOptimizer`'s docstring). The flat engine (:mod:`.engine`) and the distributed steps
-(:mod:`.distributed`) compute the same step and are tested against this one. The state is
-created by :mod:`.state` (the same functions for every implementation).
+The phases of :func:`deepmd_hybridmuon.step.run`, each one parameter at a time, with the rules of :mod:`.functional`
+(the algorithm is written out in :class:`~deepmd_hybridmuon.HybridMuonOptimizer`'s docstring). The flat engine
+(:mod:`.engine`) and the distributed steps (:mod:`.distributed`) compute the same step and are tested against this one.
+The state is created by :mod:`.state` (the same functions for every implementation).
 
-``state`` is the optimizer's ``state`` (parameter -> dict, created on first use), in
-deepmd-kit 3.2.0's layout: ``exp_avg``, ``exp_avg_sq`` (float32), ``beta1_pow``,
-``beta2_pow`` (floats) for the Adam routes; ``momentum_buffer`` and, with Magma,
-``magma_score`` (float32, one per matrix of the view) for Muon.
+``state`` is the optimizer's ``state`` (parameter -> dict, created on first use), in deepmd-kit 3.2.0's layout:
+``exp_avg``, ``exp_avg_sq`` (float32), ``beta1_pow``, ``beta2_pow`` (floats) for the Adam routes; ``momentum_buffer``
+and, with Magma, ``magma_score`` (float32, one per matrix of the view) for Muon.
 """
 
 from __future__ import annotations

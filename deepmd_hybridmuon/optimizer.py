@@ -49,10 +49,9 @@ SKIPPED_LOG = (
 #: The settings and group keys a group's engine is built from (the options that take effect at "build").
 _BUILD_SETTINGS: tuple[str, ...] = tuple(key for key in SETTINGS if OPTION[key].effect == "build")
 _BUILD_GROUP_KEYS: tuple[str, ...] = tuple(key for key in GROUP_KEYS if OPTION[key].effect == "build")
-#: The ways a param_group's step can run; all compute the same step. Not an option: the
-#: default is always right for users. Tests and benchmarks pick one by setting the private
-#: attribute ``_implementation`` of an optimizer before its first step (the only switch;
-#: :meth:`HybridMuonOptimizer._engine` reads it):
+#: The ways a param_group's step can run; all compute the same step. Not an option: the default is always right for
+#: users. Tests and benchmarks pick one by setting the private attribute ``_implementation`` of an optimizer before its
+#: first step (the only switch; :meth:`HybridMuonOptimizer._engine` reads it):
 #:
 #: * ``"engine"`` (default): the flat engine (:mod:`deepmd_hybridmuon.engine`), its arithmetic
 #:   captured in a CUDA graph after two eager steps on CUDA;
@@ -77,14 +76,12 @@ _FLOAT32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "magma_score")
 class SkipCount:
     """Counts, on each device, the param_group steps the finite gate let through; logs the first skip once.
 
-    A skipped step is decided on the device (``functional.finite_gate``), and reading that
-    decision every step would make the host wait for the GPU. So each step adds its gates to a
-    device counter (one small kernel per group), and now and then the counter is copied to
-    pinned host memory without waiting: at the 1st, 2nd, 4th, ... step, then every
-    :attr:`EVERY` steps (a copy costs the host three CUDA calls, a tenth of a small model's
-    step). The host reads the copy once it has arrived (an event query, at the next step). A skip
-    is therefore logged at most :attr:`EVERY` steps or so after it happened; one in the last
-    steps of a run may go unlogged. On the CPU the count is read at once.
+    A skipped step is decided on the device (``functional.finite_gate``), and reading that decision every step would
+    make the host wait for the GPU. So each step adds its gates to a device counter (one small kernel per group), and
+    now and then the counter is copied to pinned host memory without waiting: at the 1st, 2nd, 4th, ... step, then every
+    :attr:`EVERY` steps (a copy costs the host three CUDA calls, a tenth of a small model's step). The host reads the
+    copy once it has arrived (an event query, at the next step). A skip is therefore logged at most :attr:`EVERY` steps
+    or so after it happened; one in the last steps of a run may go unlogged. On the CPU the count is read at once.
     """
 
     #: Steps between two reads of the counters, once the first steps (powers of two) are read.
@@ -139,11 +136,10 @@ class SkipCount:
 def _outside_device_context() -> contextlib.AbstractContextManager[Any]:
     """Leave a ``with torch.device(...)`` block (or ``torch.set_default_device``) for the step.
 
-    deepmd's trainer calls ``step()`` inside ``with torch.device(DEVICE)``. That block is a torch
-    function mode: every torch call and tensor attribute read from Python then goes through a
-    Python method first (about 700 per FSDP2 step on DPA-2 small: 4 ms of host time per step on
-    an H100 in ``dp``). Every tensor the step creates names its device, so the mode only costs
-    time; it is popped for the step when it is the only mode (other modes, a user's, stay).
+    deepmd's trainer calls ``step()`` inside ``with torch.device(DEVICE)``. That block is a torch function mode: every
+    torch call and tensor attribute read from Python then goes through a Python method first (about 700 per FSDP2 step
+    on DPA-2 small: 4 ms of host time per step on an H100 in ``dp``). Every tensor the step creates names its device, so
+    the mode only costs time; it is popped for the step when it is the only mode (other modes, a user's, stay).
     """
     if _DeviceContext is not None:  # else another torch: keep the mode
         stack = _function_modes()
@@ -163,13 +159,11 @@ except ImportError:
 class HybridMuonOptimizer(Optimizer):
     r"""Muon for weight matrices, Adam for everything else, routed by name and shape.
 
-    A drop-in replacement of deepmd-kit 3.2.0's ``deepmd.pt.optimizer.HybridMuonOptimizer``:
-    same constructor, defaults, routing, state keys and param_group keys, so a
-    checkpoint of either optimizer resumes with the other.
+    A drop-in replacement of deepmd-kit 3.2.0's ``deepmd.pt.optimizer.HybridMuonOptimizer``: same constructor, defaults,
+    routing, state keys and param_group keys, so a checkpoint of either optimizer resumes with the other.
 
-    **Routing** (per parameter; see :func:`deepmd_hybridmuon.functional.route_parameter`).
-    The *leaf* is the last dot-separated segment of the parameter name that is not
-    all digits, lower-cased.
+    **Routing** (per parameter; see :func:`deepmd_hybridmuon.functional.route_parameter`). The *leaf* is the last
+    dot-separated segment of the parameter name that is not all digits, lower-cased.
 
     1. leaf ``b``, containing ``bias``, or prefixed ``adam_`` -> Adam (no weight decay);
        leaf prefixed ``adamw_`` -> AdamW (decoupled weight decay);
@@ -210,21 +204,18 @@ class HybridMuonOptimizer(Optimizer):
     :math:`\theta \leftarrow \theta - \eta_a \hat m / (\sqrt{\hat v} + \epsilon)` with
     bias-corrected moments of betas ``adam_betas``.
 
-    **State** (torch's names; deepmd-kit 3.2.0's layout): Muon ``momentum_buffer``
-    (gradient dtype) and ``magma_score`` (float32, one per matrix); Adam ``exp_avg``,
-    ``exp_avg_sq`` (float32), ``beta1_pow``, ``beta2_pow`` (Python floats).
+    **State** (torch's names; deepmd-kit 3.2.0's layout): Muon ``momentum_buffer`` (gradient dtype) and ``magma_score``
+    (float32, one per matrix); Adam ``exp_avg``, ``exp_avg_sq`` (float32), ``beta1_pow``, ``beta2_pow`` (Python floats).
 
-    Differences from the built-in, all fixes: float64 models resume (moments are cast
-    back to float32 after ``load_state_dict``); ``add_param_group`` works after the
-    first step; every hyperparameter is validated here with a ``ValueError``; size-0
-    parameters and those without a gradient (frozen ones) are skipped; no ``torch.compile`` (no seconds of
-    compilation at the first step) and no import-time side effects; a step whose
-    gradients hold NaN or inf, or elements too large for the arithmetic (2^127 and more; 2^63
-    and more on an Adam route), is skipped (parameters, moments, momentum and Magma scores unchanged, decided on the
-    device; see :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor)
-    parameters work, each Muon matrix orthogonalised once, on one owner rank
-    (:mod:`deepmd_hybridmuon.distributed`); under DDP every replica takes the whole step,
-    as one process does.
+    Differences from the built-in, all fixes: float64 models resume (moments are cast back to float32 after
+    ``load_state_dict``); ``add_param_group`` works after the first step; every hyperparameter is validated here with a
+    ``ValueError``; size-0 parameters and those without a gradient (frozen ones) are skipped; no ``torch.compile`` (no
+    seconds of compilation at the first step) and no import-time side effects; a step whose gradients hold NaN or inf,
+    or elements too large for the arithmetic (2^127 and more; 2^63 and more on an Adam route), is skipped (parameters,
+    moments, momentum and Magma scores unchanged, decided on the device; see
+    :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor) parameters work, each Muon matrix orthogonalised
+    once, on one owner rank (:mod:`deepmd_hybridmuon.distributed`); under DDP every replica takes the whole step, as one
+    process does.
 
     Implementations: the per-parameter loop (:mod:`deepmd_hybridmuon.loop`) is the specification; the flat
     engine (:mod:`deepmd_hybridmuon.engine`) computes the same step in batched kernels, with
@@ -289,11 +280,10 @@ class HybridMuonOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param_group after validating its keys and values (also after steps).
 
-        Keys of the constructor that are no group hyperparameters (``flash_muon``,
-        ``use_foreach``, ``nonfinite_across_ranks``) are dropped: ``ZeroRedundancyOptimizer``
-        copies every constructor keyword into the groups it hands to its local optimizer. A
-        value other than the optimizer's own is refused: it would not apply to the group, and so
-        is a removed option (``ddp_split``).
+        Keys of the constructor that are no group hyperparameters (``flash_muon``, ``use_foreach``,
+        ``nonfinite_across_ranks``) are dropped: ``ZeroRedundancyOptimizer`` copies every constructor keyword into the
+        groups it hands to its local optimizer. A value other than the optimizer's own is refused: it would not apply to
+        the group, and so is a removed option (``ddp_split``).
         """
         check_removed(param_group)
         for key in SETTINGS:
@@ -378,10 +368,9 @@ class HybridMuonOptimizer(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """What ``pickle``, ``copy.deepcopy`` and ``torch.save`` keep: torch's part, the settings and the names.
 
-        torch's part is ``defaults``, ``state`` and ``param_groups`` (its hooks are dropped, as
-        torch does). The caches of the step (the flat engines) are left out and
-        rebuilt at the next step; the names given by :meth:`set_param_names` are kept by
-        parameter position, since a copy has other parameter objects.
+        torch's part is ``defaults``, ``state`` and ``param_groups`` (its hooks are dropped, as torch does). The caches
+        of the step (the flat engines) are left out and rebuilt at the next step; the names given by
+        :meth:`set_param_names` are kept by parameter position, since a copy has other parameter objects.
         """
         out = super().__getstate__()
         out.update({key: getattr(self, key) for key in _PICKLED})
@@ -436,17 +425,15 @@ class HybridMuonOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this optimizer or of deepmd-kit's built-in one.
 
-        torch casts floating state to each parameter's dtype; the Adam moments and
-        Magma scores are float32 again here, so float64 models resume, and a float16 or
-        bfloat16 model's are taken from the saved tensors (the cast lost their bits: an
-        ``exp_avg_sq`` above 65504 became inf). ``beta1_pow`` and ``beta2_pow`` saved as one-element
+        torch casts floating state to each parameter's dtype; the Adam moments and Magma scores are float32 again here,
+        so float64 models resume, and a float16 or bfloat16 model's are taken from the saved tensors (the cast lost
+        their bits: an ``exp_avg_sq`` above 65504 became inf). ``beta1_pow`` and ``beta2_pow`` saved as one-element
         tensors are read back as the Python floats the step uses.
 
-        Everything is checked first (:func:`deepmd_hybridmuon.state.check_state_dict`): a state
-        dict of another optimizer, group values the constructor would refuse, or state of the
-        wrong keys, shape or dtype raise a ``ValueError`` and leave this optimizer as it was. An
-        option the writer did not have (an older version, deepmd's built-in) takes its default.
-        The hooks of ``register_load_state_dict_pre_hook`` run before the checks, once.
+        Everything is checked first (:func:`deepmd_hybridmuon.state.check_state_dict`): a state dict of another
+        optimizer, group values the constructor would refuse, or state of the wrong keys, shape or dtype raise a
+        ``ValueError`` and leave this optimizer as it was. An option the writer did not have (an older version, deepmd's
+        built-in) takes its default. The hooks of ``register_load_state_dict_pre_hook`` run before the checks, once.
         """
         hooks = self._optimizer_load_state_dict_pre_hooks
         if hooks and isinstance(state_dict, Mapping):  # they adapt what was saved: as torch runs them, before checks
@@ -625,15 +612,13 @@ class HybridMuonOptimizer(Optimizer):
     def execution_table(self) -> list[dict[str, Any]]:
         """How steps run, one row per param_group, as of the last step.
 
-        ``implementation``: ``"engine"`` (the flat engine), ``"fsdp2"`` (FSDP2 DTensor
-        parameters: the owner computes, :mod:`deepmd_hybridmuon.distributed`) or ``"loop"``
-        (not stepped yet, the loop chosen, or a group the engine does not support). The engine
-        and FSDP2 rows also give ``kernels`` (``"triton"``, ``"torch"``, or ``"compiling"``: torch
-        until the Triton kernels are compiled; under FSDP2, the owners' Newton–Schulz),
-        ``torch_matrices`` ((rows, cols) of each Muon parameter on the torch path; under FSDP2, of
-        the shapes this rank orthogonalises) and ``cuda_graph`` (steps replay captured CUDA graphs;
-        under FSDP2, graphs with the collectives between them); the engine's also
-        ``program_matrices`` (how many Muon matrices run one Triton program each).
+        ``implementation``: ``"engine"`` (the flat engine), ``"fsdp2"`` (FSDP2 DTensor parameters: the owner computes,
+        :mod:`deepmd_hybridmuon.distributed`) or ``"loop"`` (not stepped yet, the loop chosen, or a group the engine
+        does not support). The engine and FSDP2 rows also give ``kernels`` (``"triton"``, ``"torch"``, or
+        ``"compiling"``: torch until the Triton kernels are compiled; under FSDP2, the owners' Newton–Schulz),
+        ``torch_matrices`` ((rows, cols) of each Muon parameter on the torch path; under FSDP2, of the shapes this rank
+        orthogonalises) and ``cuda_graph`` (steps replay captured CUDA graphs; under FSDP2, graphs with the collectives
+        between them); the engine's also ``program_matrices`` (how many Muon matrices run one Triton program each).
         """
         rows = []
         for index, group in enumerate(self.param_groups):

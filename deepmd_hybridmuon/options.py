@@ -1,9 +1,8 @@
 """The optimizer's options, written once: one :class:`Option` per row of :data:`OPTIONS`.
 
-Everything else reads this table: the ``dp`` schema and the README's option table
-(:mod:`.schema`), the input checks (:mod:`.validation`), the constructor's keys, the settings
-that are pickled and the key that rebuilds a group's engine (:mod:`.optimizer`), and the
-keywords ``dp check`` builds the optimizer with (:mod:`.cli`). Its rows are in the schema's
+Everything else reads this table: the ``dp`` schema and the README's option table (:mod:`.schema`), the input checks
+(:mod:`.validation`), the constructor's keys, the settings that are pickled and the key that rebuilds a group's engine
+(:mod:`.optimizer`), and the keywords ``dp check`` builds the optimizer with (:mod:`.cli`). Its rows are in the schema's
 order (the order ``dp check`` prints).
 """
 

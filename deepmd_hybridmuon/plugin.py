@@ -51,9 +51,8 @@ SUPPORTED_DEEPMD_TEXT = "deepmd-kit >=3.2.0,<3.3"
 #: Trainer modules whose ``Trainer`` we patch.
 TRAINER_MODULES: tuple[str, ...] = ("deepmd.pt.train.training", "deepmd.pt_expt.train.training")
 DP_MAIN_MODULE = "deepmd.main"
-#: Set this environment variable to a non-empty value other than "0" to keep deepmd-kit's
-#: built-in HybridMuon (e.g. to compare both); the entry points then only make the trainer log
-#: that (:func:`disabled_notice`).
+#: Set this environment variable to a non-empty value other than "0" to keep deepmd-kit's built-in HybridMuon (e.g. to
+#: compare both); the entry points then only make the trainer log that (:func:`disabled_notice`).
 DISABLE_ENV = "DEEPMD_HYBRIDMUON_DISABLE"
 _PATCHED = "_hybridmuon_patched"
 _NOTICE = "_hybridmuon_disabled_notice"
@@ -96,9 +95,8 @@ def _plugin_registry(argcheck: Any) -> dict[tuple[str, Any, str], Callable[..., 
 def register_schema() -> None:
     """Replace the built-in ``HybridMuon`` entry of deepmd's optimizer schema with ours.
 
-    The registry is a dict keyed by ``(name, alias, doc)``: a second ``HybridMuon`` key
-    would make dargs fail with a duplicate, so the built-in key is swapped in place
-    (keeping the order of the optimizer variants). Idempotent.
+    The registry is a dict keyed by ``(name, alias, doc)``: a second ``HybridMuon`` key would make dargs fail with a
+    duplicate, so the built-in key is swapped in place (keeping the order of the optimizer variants). Idempotent.
     """
     from deepmd.utils import argcheck
 
@@ -136,9 +134,8 @@ def train_input_arguments() -> list[Any]:
 def optimizer_kwargs(section: dict[str, Any], trainer_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Constructor keywords of our optimizer for one trainer.
 
-    Starts from the keywords deepmd's trainer passes, maps the legacy keys of the input's
-    ``optimizer`` section (with a DeprecationWarning) and adds every key of the section
-    that our constructor takes and the trainer does not pass.
+    Starts from the keywords deepmd's trainer passes, maps the legacy keys of the input's ``optimizer`` section (with a
+    DeprecationWarning) and adds every key of the section that our constructor takes and the trainer does not pass.
     """
     kwargs = dict(trainer_kwargs)
     resolved, messages = resolve_legacy_keys(section)

@@ -48,10 +48,9 @@ def _argument(option: Option) -> Argument:
 def hybrid_muon_arguments() -> list[Argument]:
     """Keys of ``"optimizer": {"type": "HybridMuon", ...}``.
 
-    Every key and default of deepmd-kit 3.2.0, plus stricter value checks, the accepted
-    legacy keys, and the removed options (:data:`.validation.REMOVED_KEYS`): any value of
-    one fails with the text that says what to do, and they have no default (nothing is
-    filled in for an input without them).
+    Every key and default of deepmd-kit 3.2.0, plus stricter value checks, the accepted legacy keys, and the removed
+    options (:data:`.validation.REMOVED_KEYS`): any value of one fails with the text that says what to do, and they have
+    no default (nothing is filled in for an input without them).
     """
     return [_argument(row) for option in OPTIONS for row in option.items or (option,) if row.input_key]
 

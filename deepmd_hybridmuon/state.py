@@ -2,16 +2,14 @@
 
 Checks of a state dict before :meth:`HybridMuonOptimizer.load_state_dict` changes anything.
 
-A state dict is accepted when it has deepmd-kit 3.2.0's built-in HybridMuon layout (which this
-package writes too): the same number of param_groups and parameters, every group carrying
-HybridMuon's hyperparameters with values the constructor would accept
-(:func:`~deepmd_hybridmuon.validation.validate_group`; an option the writer did not have takes its
-default, :func:`with_defaults`; keys of torch's schedulers are kept), and per parameter only the state
-keys of its rule, each of the parameter's shape, real, and in the range a real run can reach
-(:data:`STATE_RANGES`). Anything else (a ``torch.optim.AdamW`` or ``torch.optim.Muon`` state dict,
-AdamW state under HybridMuon groups, edited or corrupted values) raises a ``ValueError`` naming the
-group or parameter and the key, so that the optimizer and every implementation of its step (loop,
-flat engine, FSDP2) only ever see state they can step with.
+A state dict is accepted when it has deepmd-kit 3.2.0's built-in HybridMuon layout (which this package writes too): the
+same number of param_groups and parameters, every group carrying HybridMuon's hyperparameters with values the
+constructor would accept (:func:`~deepmd_hybridmuon.validation.validate_group`; an option the writer did not have takes
+its default, :func:`with_defaults`; keys of torch's schedulers are kept), and per parameter only the state keys of its
+rule, each of the parameter's shape, real, and in the range a real run can reach (:data:`STATE_RANGES`). Anything else
+(a ``torch.optim.AdamW`` or ``torch.optim.Muon`` state dict, AdamW state under HybridMuon groups, edited or corrupted
+values) raises a ``ValueError`` naming the group or parameter and the key, so that the optimizer and every
+implementation of its step (loop, flat engine, FSDP2) only ever see state they can step with.
 """
 
 from __future__ import annotations
@@ -129,11 +127,10 @@ def _lacks(group: Mapping[str, Any]) -> list[str]:
 def with_defaults(state_dict: Any) -> Any:
     """``state_dict`` as this version reads it (a copy where it differs): what it lacks at the defaults.
 
-    Each option its HybridMuon param_groups lack takes its default; deepmd-kit 3.1's ``muon_2d_only`` is
-    read as ``muon_mode`` (:func:`~.validation.resolve_legacy_keys`) and the other keys of
-    :data:`~.validation.MISNAMED_KEYS` are dropped: a checkpoint written before an option
-    existed, or by deepmd's built-in, resumes instead of being taken for another optimizer's.
-    Anything else is returned as it is.
+    Each option its HybridMuon param_groups lack takes its default; deepmd-kit 3.1's ``muon_2d_only`` is read as
+    ``muon_mode`` (:func:`~.validation.resolve_legacy_keys`) and the other keys of :data:`~.validation.MISNAMED_KEYS`
+    are dropped: a checkpoint written before an option existed, or by deepmd's built-in, resumes instead of being taken
+    for another optimizer's. Anything else is returned as it is.
     """
     if not written_by_hybridmuon(state_dict):
         return state_dict

@@ -114,11 +114,10 @@ def validate_group(group: dict[str, Any]) -> None:
 def revalidate(group: dict[str, Any], before: tuple | None) -> tuple:
     """Check what changed in ``group`` since the snapshot ``before`` (all of it when ``None``); the new snapshot.
 
-    :meth:`HybridMuonOptimizer.step` calls it for every group and step: what a scheduler writes each
-    step (the learning rate) costs one number's check. A tensor is checked every step: torch's
-    schedulers change a tensor learning rate in place (``fill_``), and the step reads its value
-    anyway. Another set of keys checks the whole group again. A list (``adam_betas``) is kept as a
-    tuple: changed in place, it differs.
+    :meth:`HybridMuonOptimizer.step` calls it for every group and step: what a scheduler writes each step (the learning
+    rate) costs one number's check. A tensor is checked every step: torch's schedulers change a tensor learning rate in
+    place (``fill_``), and the step reads its value anyway. Another set of keys checks the whole group again. A list
+    (``adam_betas``) is kept as a tuple: changed in place, it differs.
     """
     values = tuple(tuple(v) if isinstance(v, list) else v for v in map(group.get, GROUP_KEYS))
     others = group.keys() - _GROUP_KEY_SET
@@ -169,9 +168,8 @@ def _torch_hyperparameters() -> frozenset[str]:
 def check_parameters(params: Sequence[torch.Tensor], group_index: int) -> None:
     """Raise ``ValueError`` unless the parameters of param_group ``group_index`` are real floating point, each once.
 
-    Complex parameters would lose their imaginary part in the Adam moments (float32) and Newton–Schulz
-    (real matrices); integer ones cannot take a gradient step. A parameter listed twice would take
-    two steps with one state.
+    Complex parameters would lose their imaginary part in the Adam moments (float32) and Newton–Schulz (real matrices);
+    integer ones cannot take a gradient step. A parameter listed twice would take two steps with one state.
     """
     first: dict[int, int] = {}
     for i, p in enumerate(params):
