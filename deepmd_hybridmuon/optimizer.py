@@ -637,9 +637,8 @@ _OTHER_PARAMETERS = {
     "named_parameters": "``(name, parameter)`` pairs for name-based routing (or call :meth:`set_param_names`).",
     "use_foreach": "Accepted (``True``, ``False`` or ``None``) and ignored: deepmd-kit's trainer passes it. "
     "The step always batches its work (the flat engine).",
-    "removed": f"Options that were removed ({', '.join(f'``{key}``' for key in REMOVED_KEYS)}) raise a "
-    "``ValueError`` that says what to do "
-    "(:data:`deepmd_hybridmuon.validation.REMOVED_KEYS`); other unknown keywords a ``TypeError``.",
+    "removed": f"Options that were removed ({', '.join(f'``{key}``' for key in REMOVED_KEYS)}) raise a ``ValueError`` "
+    "that says what to do (:data:`deepmd_hybridmuon.validation.REMOVED_KEYS`); other unknown keywords a ``TypeError``.",
 }
 
 

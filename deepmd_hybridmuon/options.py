@@ -117,9 +117,8 @@ OPTIONS: tuple[Option, ...] = (
         "lr_adjust",
         (float,),
         0.0,
-        "<= 0: Muon update scale lr_adjust_coeff*sqrt(max(m, n)) (matches Adam's update RMS, "
-        "so Adam learning rates carry over) and Adam at lr. > 0: Muon scale sqrt(max(1, m/n)) "
-        "and Adam at lr/lr_adjust.",
+        "<= 0: Muon update scale lr_adjust_coeff*sqrt(max(m, n)) (matches Adam's update RMS, so Adam learning rates "
+        "carry over) and Adam at lr. > 0: Muon scale sqrt(max(1, m/n)) and Adam at lr/lr_adjust.",
         effect="build",
     ),
     Option(
@@ -155,12 +154,11 @@ OPTIONS: tuple[Option, ...] = (
         "flash_muon",
         (bool,),
         True,
-        "Triton kernels on CUDA: one program per matrix orthogonalises every Muon matrix whose smaller side "
-        "is at most 128 (in registers, or streamed for long matrices; larger ones take batched cuBLAS), in a "
-        "few launches per step. "
-        "They compile in the background on first use (the torch path runs meanwhile) and are cached by "
-        "Triton. Off, or without Triton or a GPU: batched torch kernels for every matrix. (In deepmd-kit "
-        "3.2.0 the flag selects a Triton kernel for matrices with a side of 1024 or more.)",
+        "Triton kernels on CUDA: one program per matrix orthogonalises every Muon matrix whose smaller side is at most "
+        "128 (in registers, or streamed for long matrices; larger ones take batched cuBLAS), in a few launches per "
+        "step. They compile in the background on first use (the torch path runs meanwhile) and are cached by Triton. "
+        "Off, or without Triton or a GPU: batched torch kernels for every matrix. (In deepmd-kit 3.2.0 the flag "
+        "selects a Triton kernel for matrices with a side of 1024 or more.)",
         scope="optimizer",
         effect="build",
     ),
@@ -179,8 +177,7 @@ OPTIONS: tuple[Option, ...] = (
         False,
         "All-reduce the finite flag of each param_group's step over the default process group, so that a "
         "non-finite gradient on any rank skips its group's step on every rank (the plugin turns it on for "
-        "zero_stage 1). "
-        "Every rank must then call step() the same number of times.",
+        "zero_stage 1). Every rank must then call step() the same number of times.",
         scope="optimizer",
         effect="build",
         input_key=False,

@@ -18,13 +18,11 @@ from .options import OPTIONS, Option
 from .validation import REMOVED_KEYS, check_option
 
 HYBRID_MUON_DOC = (
-    "HybridMuon optimizer (the deepmd-hybridmuon plugin; drop-in for deepmd-kit's built-in). "
-    "Muon (Nesterov momentum, Newton-Schulz orthogonalisation, optional Magma-lite damping) for "
-    "weight matrices; Adam for biases and 1-D tensors; AdamW for tensors without a matrix view. "
-    "Routing on the last non-numeric segment of the parameter name (case-insensitive): 'b' or "
-    "containing 'bias' -> Adam; 'adam_' prefix -> Adam; 'adamw_' prefix -> AdamW; otherwise by "
-    "shape with size-1 dimensions dropped: rank < 2 -> Adam; no matrix view in `muon_mode` -> "
-    "AdamW; else Muon."
+    "HybridMuon optimizer (the deepmd-hybridmuon plugin; drop-in for deepmd-kit's built-in). Muon (Nesterov momentum, "
+    "Newton-Schulz orthogonalisation, optional Magma-lite damping) for weight matrices; Adam for biases and 1-D "
+    "tensors; AdamW for tensors without a matrix view. Routing on the last non-numeric segment of the parameter name "
+    "(case-insensitive): 'b' or containing 'bias' -> Adam; 'adam_' prefix -> Adam; 'adamw_' prefix -> AdamW; otherwise "
+    "by shape with size-1 dimensions dropped: rank < 2 -> Adam; no matrix view in `muon_mode` -> AdamW; else Muon."
 )
 
 

@@ -197,7 +197,6 @@ def check_gradients(groups: Sequence[dict[str, Any]]) -> None:
             grad = p.grad
             if grad is not None and grad.layout != torch.strided:
                 raise ValueError(
-                    f"Invalid gradient of parameter {i} of param_group {g}: layout {grad.layout}; "
-                    "expected a dense (torch.strided) gradient (HybridMuon has no sparse update; "
-                    "e.g. use nn.Embedding(sparse=False))"
+                    f"Invalid gradient of parameter {i} of param_group {g}: layout {grad.layout}; expected a dense "
+                    "(torch.strided) gradient (HybridMuon has no sparse update; e.g. use nn.Embedding(sparse=False))"
                 )
