@@ -16,10 +16,10 @@ Contract of :class:`Executor`:
   ``step.compute`` is captured once, the torch stacks on a high-priority side stream beside
   the Triton launches (they are the step's critical path). cuBLAS keeps a workspace (32 MiB
   on Hopper) for each (handle, stream) it runs on, so every capture of a thread uses the same
-  two streams (:func:`stream`), and the engine's products run on the side one. This holds on the torch path
-  while the Triton kernels compile too: they compile in another
-  process, and this one loads them only between steps, when the optimizer asks whether
-  they are ready (and then builds a new engine, which captures anew), never inside a capture.
+  two streams (:func:`stream`), and the engine's products run on the side one. This holds on
+  the torch path while the Triton kernels compile too: they compile in another process, and
+  this one loads them only between steps, when the optimizer asks whether they are ready (and
+  then builds a new engine, which captures anew), never inside a capture.
 * **Collectives.** A collective of the step (FSDP2's exchanges) runs through
   :func:`between_graphs`. Captured, the step is cut there: it replays as its graphs with the
   collectives run eagerly between them, in the captured order (a collective inside a graph would
