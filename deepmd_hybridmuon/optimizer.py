@@ -542,11 +542,12 @@ class HybridMuonOptimizer(Optimizer):
                     grads[self.route_of(p, g).route != "muon"].append(distributed.local_shard(p.grad))
             gates.append(F.finite_gate(grads[False], grads[True]) if grads[True] or grads[False] else None)
         params = [p for g in self.param_groups for p in g["params"]]
-        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        joined = dist.is_available() and dist.is_initialized()  # a torch built without distributed has neither
+        nccl = joined and dist.get_backend() == "nccl"
         device = params[0].device if params else torch.device("cuda" if nccl else "cpu")
         one = torch.ones((), dtype=torch.float32, device=device)
         ok = torch.stack([one if gate is None else gate.to(device) for gate in gates])
-        if dist.is_available() and dist.is_initialized():
+        if joined:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return ok
 

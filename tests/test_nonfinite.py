@@ -168,3 +168,20 @@ def test_skipped_steps_are_logged_once(implementation, device, caplog):
     lines = [r.getMessage() for r in caplog.records if marker in r.getMessage()]
     assert len(lines) == 1, lines
     assert lines[0].startswith("steps skipped: 1 of the first") or lines[0].startswith("steps skipped: 2 of")
+
+
+def test_gate_across_ranks_runs_on_a_torch_without_distributed(monkeypatch):
+    # Such a build has torch.distributed.is_available() False and no is_initialized at all.
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    monkeypatch.delattr(torch.distributed, "is_initialized")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(12, 8, generator=gen))
+    opt = make_optimizer([w], "engine", lr=1e-2, named_parameters=[("fit.matrix", w)], nonfinite_across_ranks=True)
+    w.grad = torch.randn(w.shape, generator=gen)
+    before = w.detach().clone()
+    opt.step()  # one process: its own gate, nothing to agree with
+    assert not torch.equal(w, before)
+    w.grad = torch.full(w.shape, float("nan"))
+    taken = w.detach().clone()
+    opt.step()
+    assert torch.equal(w, taken)
