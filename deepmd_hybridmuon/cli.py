@@ -227,7 +227,7 @@ def _with_value(message: str, path: str, jdata: dict[str, Any], training: set[st
     An ``optimizer`` key that the conversion took from a legacy key of the input's ``training`` (whose keys
     ``training`` holds) is named as the input has it, e.g. ``training``/``opt_type``.
     """
-    from .options import OPTIONS
+    from .validation import ALIASES
 
     message = message.replace(".Did you mean", ". Did you mean")
     match = re.search(r"key `([^`]+)`", message)
@@ -239,7 +239,7 @@ def _with_value(message: str, path: str, jdata: dict[str, Any], training: set[st
     if match is None:
         return _cut(shown)
     section = jdata.get("optimizer")
-    alias_of = {alias: option.name for option in OPTIONS for alias in option.alias}.get(match.group(1))
+    alias_of = ALIASES.get(match.group(1))
     if path.strip("/") == "optimizer" and isinstance(section, dict) and alias_of in section:
         shown += f" ({match.group(1)} is another name for {alias_of}, which is set too: keep one of them)"
     node: Any = jdata

@@ -18,19 +18,18 @@ import torch
 
 from .options import GROUP_KEYS, OPTION, OPTIONS, Option
 
+#: Input-file aliases of the options, with the option each stands for (``muon_momentum``: ``momentum``).
+ALIASES: dict[str, str] = {alias: option.name for option in OPTIONS for alias in option.alias}
+#: Keys of deepmd-kit < 3.2's HybridMuon (its inputs and checkpoints); deepmd's compat step still moves them
+#: into the optimizer section. Accepted with a deprecation message and mapped by :func:`resolve_legacy_keys`.
+LEGACY_KEYS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.scope == "legacy")
 #: Keys of a param_group that spell a HybridMuon option otherwise (its input-file alias, its deprecated
 #: form), with the option that stands for them.
-MISNAMED_KEYS: dict[str, str] = {
-    **{alias: option.name for option in OPTIONS for alias in option.alias},
-    **{option.name: "muon_mode" for option in OPTIONS if option.scope == "legacy"},
-}
+MISNAMED_KEYS: dict[str, str] = {**ALIASES, **dict.fromkeys(LEGACY_KEYS, "muon_mode")}
 _GROUP_KEY_SET = frozenset(GROUP_KEYS)
 #: Options that were removed, and what to do instead. The constructor, ``add_param_group`` and
 #: the schema (``dp check``, ``dp train``) refuse each by name with this text.
 REMOVED_KEYS: dict[str, str] = {option.name: option.doc for option in OPTIONS if option.scope == "removed"}
-#: Keys of deepmd-kit < 3.2's HybridMuon (its inputs and checkpoints); deepmd's compat step still moves them
-#: into the optimizer section. Accepted with a deprecation message and mapped by :func:`resolve_legacy_keys`.
-LEGACY_KEYS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.scope == "legacy")
 
 
 def resolve_legacy_keys(section: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
