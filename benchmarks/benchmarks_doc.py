@@ -48,6 +48,11 @@ def load(name: str) -> dict[str, Any]:
     return json.loads((RESULTS / name).read_text())
 
 
+def run_spb(name: str) -> float:
+    """deepmd's average s/batch of a ``train_speed.py`` results file of one variant."""
+    return next(r["average_s_per_batch"] for r in load(name)["results"])
+
+
 def source(name: str) -> dict[str, str]:
     """Machine, date, commit and command of a results file: provenance.json's, else the file's own fields."""
     data = load(name) if name.endswith(".json") else {}  # a text file's provenance is all in provenance.json
@@ -659,7 +664,7 @@ def design_phased() -> str:
         return f"{_ms(med['ours'])} ({ratio(med['ours'], med['adamw'])})"
 
     rows = [[MODEL[c], *(step(n, c) for pair in PHASED for n in pair)] for c in load(PHASED[0][0])["configs"]]
-    spb = [next(r["average_s_per_batch"] for r in load(n)["results"]) for pair in PHASED_E2E for n in pair]
+    spb = [run_spb(n) for pair in PHASED_E2E for n in pair]
     rows.append(["se_e2_a water, end to end (s/batch)", *(f"{x:.4f}" for x in spb)])
     head = ["model", *(f"round {r}, {k}" for r in (1, 2) for k in ("with", "without"))]
     return table(head, rows) + "\n\n" + sources([n for pairs in (PHASED, PHASED_E2E) for pair in pairs for n in pair])
@@ -729,7 +734,7 @@ def design_magma() -> str:
     kinds = [(r, k) for r in (1, 2) for k in ("with_kernel", "without_kernel")]
     rows = [[MODEL[c], *(step(k, r, c) for r, k in kinds)] for c in MODEL if (1, c) in cells["with_kernel"]]
     for c, names in MAGMA_E2E.items():
-        spb = [next(r["average_s_per_batch"] for r in load(n)["results"]) for n in names]
+        spb = [run_spb(n) for n in names]
         rows.append([f"{MODEL[c + '_water']}, end to end (s/batch)", *(f"{x:.4f}" for x in spb)])
     head = ["model", *(f"round {r}, {'with' if k == 'with_kernel' else 'without'}" for r, k in kinds)]
     return table(head, rows) + "\n\n" + sources([MAGMA_STEP, *(n for names in MAGMA_E2E.values() for n in names)])
@@ -825,7 +830,7 @@ def design_stacks() -> str:
     text = table(head, rows)
     rows = []
     for model, runs in STREAMS_E2E:
-        by = {v: [load(n)["results"][0]["average_s_per_batch"] for u, n in runs if u == v] for v in ("old", "new")}
+        by = {v: [run_spb(n) for u, n in runs if u == v] for v in ("old", "new")}
         new = commit(runs[1][1])
         rows.append(
             [
@@ -871,10 +876,7 @@ def design_triton() -> str:
             [MODEL[config], *(" / ".join(f"{r[v]:.3f}" for r in runs) for v in ("ours", "ours-noflash", "adamw"))]
         )
     text = table(["model", "step ms, Triton kernels (two rounds)", "torch kernels only", "AdamW"], rows)
-    by = {
-        v: [load(n)["results"][0]["average_s_per_batch"] for n in TRITON_E2E if n.endswith(f"_{v}.json")]
-        for v in ("with", "without")
-    }
+    by = {v: [run_spb(n) for n in TRITON_E2E if n.endswith(f"_{v}.json")] for v in ("with", "without")}
     text += "\n\n" + table(
         ["model", "s/batch, Triton kernels (two runs)", "torch kernels only (two runs)"],
         [["DPA-3 water", *(" / ".join(f"{x:.4f}" for x in by[v]) for v in ("with", "without"))]],
