@@ -23,7 +23,7 @@ The phases, in order:
    all-reduce of the shards' partial sums under FSDP2.
 5. ``orthogonalize``: Magma's multiplier, then Newton–Schulz of each update, times the Muon scale,
    the multiplier and ``-lr``. An implementation may start the Newton–Schulz of its updates
-   earlier, in ``before_orthogonalize``, since it reads
+   earlier, in ``before_orthogonalize`` (the engine's torch stacks do), since it reads
    only the update; the factors are applied here.
 6. ``apply``: the parameters take their updates. An implementation may write a parameter
    earlier, once its update exists (the loop: each Muon matrix in ``orthogonalize``, one

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import functional as F
-from ..engine.batched import between_graphs
+from ..engine.execution import between_graphs
 
 # ----------------------------------------------------------------------------- collectives
 
@@ -44,7 +44,7 @@ def trace_collectives() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
 def _collective(kind: str, sizes: tuple[int, ...], fn: Any, *args: Any, **kwargs: Any) -> None:
     """Call the collective ``fn``; the single door every collective of the distributed steps goes through.
 
-    Captured in a step's CUDA graphs, it runs between them at every replay (``engine.batched.between_graphs``).
+    Captured in a step's CUDA graphs, it runs between them at every replay (``engine.execution.between_graphs``).
     """
 
     def call() -> None:

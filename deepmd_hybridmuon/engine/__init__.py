@@ -14,7 +14,7 @@ buffers, one job per module:
   :mod:`deepmd_hybridmuon.functional` (torch path) and :mod:`deepmd_hybridmuon.kernels`
   (Triton path).
 * :mod:`.execution`: stages each step's inputs (pinned host ring, one copy), runs the
-  arithmetic eagerly or as captured CUDA graphs (the torch stacks eagerly between them); its
+  arithmetic eagerly or as a captured CUDA graph (the torch stacks on one side stream); its
   docstring is the contract of that capture.
 * :mod:`.compilation`: the one place that asks whether the Triton kernels can run and
   requests their compilation.

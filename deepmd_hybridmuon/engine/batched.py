@@ -9,22 +9,19 @@ The step is the per-parameter loop's (:func:`deepmd_hybridmuon.loop.step_group`)
 * Muon: the momentum, Magma's sums (they read m and g), the Nesterov update over the gradients, then
   per matrix a factor (Muon scale x Magma x -lr) and the orthogonalised update times that factor,
   back into the same place (each program and stack reads its matrix whole before it writes): the
-  layout's Triton launches, then its torch stacks (one per shape);
+  layout's Triton launches and torch stacks (one per shape);
 * out: ``p <- p * decay + update`` (a ``_foreach_mul_`` and a ``_foreach_add_``).
 
 :meth:`BatchedStep.compute` reads only static tensors (the layout's buffers and a
 :class:`StepInputs`), so it can be captured in a CUDA graph; the host part of a step is
-:meth:`BatchedStep.scalars`. The torch stacks run through :func:`between_graphs`: captured, the step
-is cut there and they run eagerly between its graphs, on the current stream, so that their cuBLAS
-products use the workspace the model's products already hold (a product inside a capture would
-keep one of its own, 32 MiB on Hopper, for the capture's stream).
+:meth:`BatchedStep.scalars`. The torch stacks' chains of kernels run inside ``lane``: eagerly on the
+current stream; captured, on one side stream beside the Triton launches (:mod:`.execution`).
 """
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Callable
-from typing import Any, Protocol
+import contextlib
+from typing import Any
 
 import torch
 
@@ -57,23 +54,15 @@ class StepInputs:
         self.ok = torch.ones((), dtype=torch.float32, device=layout.device)
 
 
-class _Cuttable(Protocol):
-    def cut(self, call: Callable[[], None]) -> None: ...
+class Lane:
+    """Where the torch stacks run: here, in order on the current stream."""
 
+    def __call__(self) -> contextlib.AbstractContextManager:
+        """Context of a part of the torch stacks' chain, after everything queued so far."""
+        return contextlib.nullcontext()
 
-#: The capture in progress (``execution.Executor``), or ``None``.
-CAPTURING: contextvars.ContextVar[_Cuttable | None] = contextvars.ContextVar(
-    "deepmd_hybridmuon_capturing", default=None
-)
-
-
-def between_graphs(call: Callable[[], None]) -> None:
-    """Run ``call`` (a collective, or work kept out of a capture): now, or, while capturing, between two graphs."""
-    capture = CAPTURING.get()
-    if capture is None:
-        call()
-    else:
-        capture.cut(call)
+    def join(self) -> None:
+        """Make the current stream wait for the lane."""
 
 
 class BatchedStep:
@@ -92,6 +81,7 @@ class BatchedStep:
         self.ok = inputs.ok  # the last step's finite gate (compute)
         self.settings: F.GroupSettings | None = None  # the last step's (scalars)
         self.sums: Any = None  # Magma's sums of this step (before_orthogonalize), or None
+        self.stacks: list[torch.Tensor] = []  # the torch buckets' orthogonalised stacks of this step
 
     #: step.run: a taken step on the CPU runs without the gating arithmetic.
     ungated = True
@@ -116,11 +106,12 @@ class BatchedStep:
 
     # ---------------------------------------------------------------- device
 
-    def compute(self) -> None:
+    def compute(self, lane: Lane | None = None) -> None:
         """All the arithmetic of the step, by :func:`deepmd_hybridmuon.step.run`.
 
         Reads only the layout's buffers and :attr:`inputs`.
         """
+        self.lane = lane or Lane()
         scalars = self.inputs.scalars
         self.muon_decay, self.neg_lr, self.adamw_decay = scalars[:PARAM_DTYPE_SCALARS].to(self.factor_dtype).unbind(0)
         self.ok = step.run(self)  # captured: the graph's tensor, which each replay rewrites
@@ -149,11 +140,13 @@ class BatchedStep:
         L.adam_grad.copy_(F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size))
 
     def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
-        """Momentum, Magma's sums, and the Nesterov update in place of the gradients.
+        """Momentum, Magma's sums, and the Nesterov update in place of the gradients; the torch buckets start.
 
         Magma's sums read m and g, so they come before the update overwrites g: over segments of the flat
         buffer where :attr:`segments` exist (a GPU; FSDP2's shards), per parameter elsewhere (the CPU).
-        The decay waits for :meth:`apply`.
+        The torch buckets' Newton-Schulz (the longest chains of kernels) starts as soon as the update exists;
+        captured, it runs on a side stream while this one computes Magma's factors and runs the Triton
+        launches. The decay waits for :meth:`apply`.
         """
         L = self.layout
         grads = F.sanitize(L.muon_grad, ok, out=L.muon_grad)  # the engine's own copy: zeroed in place
@@ -168,6 +161,11 @@ class BatchedStep:
             ]
             self.sums = [torch.cat(sums) for sums in zip(*parts, strict=True)]
         F.nesterov(L.momentum, grads, momentum, out=grads)  # the update, in place of the gradients
+        self.stacks = []
+        with self.lane():
+            for b in L.buckets:  # each bucket's matrices in one stack of the iteration's dtype (one alone: not copied)
+                parts = [view.to(b.dtype) for view in b.views]
+                self.stacks.append(F.orthogonalize(parts[0] if len(parts) == 1 else torch.cat(parts), b.use_gram))
 
     @property
     def segments(self) -> F.Segments | None:
@@ -184,25 +182,16 @@ class BatchedStep:
         damp = self._damp(ok)
         factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
         factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
+        with self.lane():  # each stack, scaled by its blocks' factors, back into its matrices
+            for b, out in zip(L.buckets, self.stacks, strict=True):
+                factors, start = factor.index_select(0, b.block_ids), 0
+                for view in b.views:
+                    end = start + view.size(0)
+                    F.post_orthogonalize(out[start:end], factors[start:end], view)
+                    start = end
+        self.stacks = []
         for f in L.fused_paths:
             run_fused(K, f, L.muon_grad, L.muon_grad, factor)
-        if L.buckets:
-            between_graphs(self._stacks)
-
-    def _stacks(self) -> None:
-        """Every torch bucket's Newton-Schulz, each stack scaled by its blocks' factors back into its matrices.
-
-        A bucket's matrices are one stack of the iteration's dtype (one alone: not copied).
-        """
-        L = self.layout
-        for b in L.buckets:
-            parts = [view.to(b.dtype) for view in b.views]
-            out = F.orthogonalize(parts[0] if len(parts) == 1 else torch.cat(parts), b.use_gram)
-            factors, start = L.block_factor.index_select(0, b.block_ids), 0
-            for view in b.views:
-                end = start + view.size(0)
-                F.post_orthogonalize(out[start:end], factors[start:end], view)
-                start = end
 
     def _damp(self, ok: torch.Tensor | None) -> torch.Tensor | None:
         """Magma's multiplier per block from this step's :attr:`sums`, which it uses up (advancing the scores).
@@ -217,8 +206,9 @@ class BatchedStep:
         return F.magma_scale_(self.layout.scores, F.magma_score(*sums), ok)
 
     def apply(self, ok: torch.Tensor | None) -> None:
-        """``p <- p * decay + update``, the decays gated."""
+        """``p <- p * decay + update``, the decays gated, once the torch stacks have written their updates."""
         L = self.layout
+        self.lane.join()
         if L.weight_decay:  # decay: Muon's, AdamW's, or none for Adam
             if L.adamw:
                 torch._foreach_mul_(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype))

@@ -13,16 +13,18 @@ Contract of :class:`Executor`:
   once the copy that last read it has run (its event; at once, in practice).
 * **Capture.** On CUDA with ``use_graph``, after :data:`GRAPH_WARMUP` eager steps (so
   cuBLAS and the caching allocator settle, as torch's CUDA-graph notes advise),
-  ``step.compute`` is captured once, on a stream of the capturing thread's own. This holds on
+  ``step.compute`` is captured once, the torch stacks on a high-priority side stream beside
+  the Triton launches (they are the step's critical path). cuBLAS keeps a workspace (32 MiB
+  on Hopper) for each (handle, stream) it runs on, so every capture of a thread uses the same
+  two streams (:func:`stream`), and the engine's products run on the side one. This holds on
   the torch path while the Triton kernels compile too: they compile in another process, and
   this one loads them only between steps, when the optimizer asks whether they are ready (and
   then builds a new engine, which captures anew), never inside a capture.
-* **Cuts.** What the step runs through :func:`~.batched.between_graphs` (FSDP2's collectives, the
-  torch stacks' products) is not captured: the step is cut there and replays as its graphs with
-  those calls run eagerly between them, in the captured order (a collective inside a graph would
-  replay without the process group's host bookkeeping; a cuBLAS product would keep a workspace
-  for the capture's stream). The graphs share one memory pool, and the tensors a cut call reads
-  and writes live as long as the capture.
+* **Collectives.** A collective of the step (FSDP2's exchanges) runs through
+  :func:`between_graphs`. Captured, the step is cut there: it replays as its graphs with the
+  collectives run eagerly between them, in the captured order (a collective inside a graph would
+  replay without the process group's host bookkeeping). The graphs share one memory pool, and the
+  tensors a collective reads and writes live as long as the capture.
 * **Replay.** Every later step replays that capture. Its graphs hold the addresses of the
   layout's buffers and of the parameters: anything that changes them (other parameters,
   a loaded state dict, ...) needs a new layout, hence a new executor; the optimizer
@@ -33,6 +35,7 @@ Contract of :class:`Executor`:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
 import warnings
@@ -40,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from .batched import CAPTURING, BatchedStep
+from .batched import BatchedStep, Lane
 
 #: Eager steps before a CUDA graph of the step is captured.
 GRAPH_WARMUP = 2
@@ -48,14 +51,30 @@ GRAPH_WARMUP = 2
 RING = 4
 
 
+#: The capture in progress (:meth:`Executor._capture`), or ``None``.
+_CAPTURING: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar(
+    "deepmd_hybridmuon_capturing", default=None
+)
+
+
+def between_graphs(call: Callable[[], None]) -> None:
+    """Run ``call``, a collective of the step: now, or, while the step is captured, between two of its graphs."""
+    capture = _CAPTURING.get()
+    if capture is None:
+        call()
+    else:
+        capture.cut(call)
+
+
 class _Capture:
-    """A step captured as CUDA graphs cut at its eager calls; :meth:`replay` runs graphs and calls in order.
+    """A step captured as CUDA graphs cut at its collectives; :meth:`replay` runs them and the collectives in order.
 
     The capture runs in "thread_local" mode: the process group's watchdog thread queries its own
     events meanwhile.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, join: Callable[[], None]) -> None:
+        self.join = join  # a graph ends only once the side stream has joined the capture stream
         self.pool = torch.cuda.graph_pool_handle()
         self.parts: list[Callable[[], None]] = []
         self._begin()
@@ -66,6 +85,7 @@ class _Capture:
 
     def end(self) -> None:
         """End the graph being captured."""
+        self.join()
         with warnings.catch_warnings():  # a rank that owns no matrix launches nothing between the exchanges
             warnings.filterwarnings("ignore", "The CUDA Graph is empty")
             self.graph.capture_end()
@@ -78,15 +98,39 @@ class _Capture:
         self._begin()
 
     def replay(self) -> None:
-        """The step: its graphs and eager calls, in order."""
+        """The step: its graphs and collectives, in order."""
         for part in self.parts:
             part()
 
 
 @functools.cache
-def capture_stream(device: torch.device, thread: int) -> torch.cuda.Stream:
-    """The stream ``thread`` captures on, on ``device``: two threads capturing at once must not share one."""
-    return torch.cuda.Stream(device)
+def stream(device: torch.device, priority: int, thread: int) -> torch.cuda.Stream:
+    """The stream of ``priority`` on ``device`` for ``thread``: a capture's (0) or its side stream (-1, high).
+
+    One per thread: two threads capturing at once must not share a stream.
+    """
+    return torch.cuda.Stream(device, priority=priority)
+
+
+class SideLane(Lane):
+    """The torch stacks on the side stream (while capturing), each part after what the current stream queued."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side = stream(device, -1, threading.get_ident())
+        self.forked = False
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        """The side stream, after everything the current stream has queued."""
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        self.forked = True
+        return torch.cuda.stream(self.side)
+
+    def join(self) -> None:
+        """The current stream waits for the side stream, if used since the last join (it then takes part)."""
+        if self.forked:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+            self.forked = False
 
 
 class Executor:
@@ -139,17 +183,18 @@ class Executor:
         return self.capture is not None
 
     def _capture(self) -> None:
+        lane = SideLane(self.device)
         torch.cuda.synchronize(self.device)  # the staged inputs are in place before the capture stream reads them
-        with torch.cuda.stream(capture_stream(self.device, threading.get_ident())):
-            capture = _Capture()
-            token = CAPTURING.set(capture)
+        with torch.cuda.stream(stream(self.device, 0, threading.get_ident())):
+            capture = _Capture(lane.join)
+            token = _CAPTURING.set(capture)
             try:
-                self.step.compute()
+                self.step.compute(lane)
             except BaseException:
                 with contextlib.suppress(RuntimeError):  # end the failed capture; the first error is the one to see
                     capture.end()
                 raise
             finally:
-                CAPTURING.reset(token)
+                _CAPTURING.reset(token)
             capture.end()
         self.capture = capture
