@@ -860,6 +860,48 @@ def design_stacks() -> str:
     return text + "\n\n" + sources(names)
 
 
+#: The torch stacks captured on a side stream (old: bd35792) or eagerly between the step's graphs (new: d9cf34f).
+EAGER_VERSIONS = ["old", "new", "new", "old"]
+EAGER_STEP = [(v, f"step_time_h200_2026-11-28_eager_{i}_{v}.json") for i, v in enumerate(EAGER_VERSIONS, 1)]
+EAGER_E2E = [(v, f"train_speed_dpa3_h200_2026-11-28_eager_{i}_{v}.json") for i, v in enumerate(EAGER_VERSIONS, 1)]
+EAGER_MEMORY = ("eager_stacks_memory_bd35792_h200_2026-11-28.json", "eager_stacks_memory_h200_2026-11-28.json")
+
+
+def design_eager() -> str:
+    """The torch stacks captured (bd35792) or eagerly between the step's graphs (d9cf34f): step, end to end, memory."""
+    rows = []
+    for config in load(EAGER_STEP[0][1])["configs"]:
+        cells = [MODEL[config]]
+        for variant in ("ours", "ours-noflash"):
+            for version in ("old", "new"):
+                runs = [step_medians(n, config) for v, n in EAGER_STEP if v == version]
+                cells.append(" / ".join(f"{r[variant]:.3f}" for r in runs))
+        rows.append(cells)
+    head = ["model", "step ms, captured (two runs)", "between graphs", "torch kernels only: captured", "between graphs"]
+    text = table(head, rows)
+    spb = {v: " / ".join(f"{run_spb(n):.4f}" for u, n in EAGER_E2E if u == v) for v in ("old", "new")}
+    head = ["model", "s/batch, captured (two runs)", "between graphs (two runs)"]
+    text += "\n\n" + table(head, [["DPA-3 water", spb["old"], spb["new"]]])
+    before, after = (load(n)["optimizer_alone"] for n in EAGER_MEMORY)
+    rows = []
+    for config in before:
+        adamw = next(r for r in after[config]["results"] if r["variant"] == "adamw")["resident_mib"]
+        for variant in ("ours", "ours-torch"):
+            cells = [MODEL[config], MEMORY_VARIANTS[variant]]
+            for d in (before, after):
+                r = next(r for r in d[config]["results"] if r["variant"] == variant)
+                mib, ratio = (
+                    (f"{r[k]:.1f}" for k in ("resident_mib", "peak_mib")),
+                    (r[k] / adamw for k in ("resident_mib", "peak_mib")),
+                )
+                cells.append(" / ".join(mib) + " (" + " / ".join(f"{x:.2f}{TIMES}" for x in ratio) + ")")
+            rows.append(cells)
+    head = ["model", "optimizer", f"MiB resident / peak ({TIMES} fused AdamW), captured", "between graphs"]
+    text += "\n\n" + table(head, rows, right=2)
+    names = [n for _, n in EAGER_STEP + EAGER_E2E] + list(EAGER_MEMORY)
+    return text + "\n\n" + sources(names)
+
+
 TRITON_STEP = [f"step_time_h200_2026-11-28_triton_r{r}.json" for r in (1, 2)]
 TRITON_E2E = [
     f"train_speed_dpa3_h200_2026-11-28_triton_{i}_{v}.json"
@@ -1039,6 +1081,7 @@ BLOCKS = {
     "design-graph": design_graph,
     "design-stacks": design_stacks,
     "design-triton": design_triton,
+    "design-eager": design_eager,
     "design-ddp-split": design_ddp_split,
     "design-alignment": design_alignment,
     "memory": memory,
