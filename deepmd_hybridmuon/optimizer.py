@@ -569,11 +569,12 @@ class HybridMuonOptimizer(Optimizer):
         The loop runs when :data:`IMPLEMENTATIONS` ``"loop"`` is chosen and for a group the
         engine does not support (mixed dtypes or devices, a momentum in another dtype than its
         parameter's: :meth:`GroupEngine.supports`). A group of FSDP2's DTensors always takes
-        ``distributed.ShardedEngine`` (the loop cannot step shards). Parameters without a
-        gradient are left out of the engine, which is rebuilt when that set changes (models
-        with unused parameters have the same set every step), as when the state it was built with
-        changes (:meth:`GroupEngine.matches`). The parameters' sizes are checked when an engine is
-        built, and at every step of the loop.
+        ``distributed.ShardedEngine`` (the loop cannot step shards). The engine holds the parameters
+        with a gradient or state; one without a gradient in a step keeps its value and state there
+        (a multi-task model's other branches), and one that gets its first gradient rebuilds it, as
+        does a change of the state it was built with (:meth:`GroupEngine.matches`); FSDP2's engine is
+        rebuilt whenever the set of parameters with a gradient changes. The parameters' sizes are
+        checked when an engine is built, and at every step of the loop.
         """
         if self._implementation not in IMPLEMENTATIONS:
             raise ValueError(f"Invalid _implementation: {self._implementation!r}; expected one of {IMPLEMENTATIONS}")

@@ -94,19 +94,91 @@ def _scripted_run(implementation: str, script, device: str = "cpu", steps: int =
 def test_engine_follows_a_parameter_that_misses_a_gradient(missing, device):
     def script(step, params, opt):
         if step == 2:
-            # This step the parameter must not move (the engine is rebuilt without it), then the
-            # engine is rebuilt with it again: a missed or extra step shows as a 20 % difference.
+            # This step the parameter must not move (the engine masks it), then it steps again: a missed or
+            # extra step shows as a 20 % difference.
             # An Adam parameter is one step count behind the others from then on, with its own
             # bias corrections (about 10 % of its step at step 5).
             params[missing].grad = None
 
-    # 7 steps: the engine rebuilt at steps 2 and 3, then on a GPU two eager steps and a captured one
+    # 7 steps: on a GPU, two eager steps, the masked step (eager), then captured ones
     moved, params, opt = _scripted_run("engine", script, device, steps=7)
     ref, _, _ = _scripted_run("loop", script, device, steps=7)
     _assert_close_to_the_loop(moved, ref, _routes(opt, params))
     row = opt.execution_table()[0]
     assert row["implementation"] == "engine"  # back on the engine after that step
     assert row["cuda_graph"] == (device == "cuda")  # the engine, not the loop, took the later steps
+
+
+#: Two branches of a multi-task model, each with Muon matrices and Adam and AdamW parameters (tests/test_parity.py's
+#: shapes and routes); the rest is shared.
+BRANCHES = (
+    {"fit.layers.0.matrix", "fit.layers.1.matrix", "fit.layers.1.idt", "rep.ls.adamw_gamma"},
+    {"rep.linear.weight", "rep.gate.weight", "rep.norm.adam_scale", "emb.layers.2.bias"},
+)
+
+
+def _branch_run(implementation: str, device: str, steps: int = 8) -> tuple[dict, dict, object, list]:
+    """Steps that train both branches, then one branch at a time (the other's gradients None); what each moved.
+
+    Step 5 has a NaN in a gradient (a skipped step). Also, per step, each parameter without a gradient: whether its
+    value and state stayed bit for bit.
+    """
+    params = _params(torch.float32, device)
+    start = {k: p.detach().clone() for k, p in params.items()}
+    opt = make_optimizer(list(params.values()), implementation, lr=1e-2, named_parameters=params.items())
+    gen = torch.Generator().manual_seed(5)
+    kept = []
+    for step in range(steps):
+        off = BRANCHES[step % 2] if step >= 2 else set()
+        for name, p in params.items():
+            p.grad = None if name in off else torch.randn(p.shape, generator=gen).to(device, p.dtype)
+        if step == 5:  # a NaN in a gradient of the trained branch: the whole step is skipped, as in the loop
+            params["emb.layers.1.matrix"].grad[0, 0] = float("nan")
+        before = {n: (params[n].detach().clone(), {k: _copy(v) for k, v in opt.state[params[n]].items()}) for n in off}
+        opt.step()
+        for name, (value, state) in before.items():
+            now = opt.state[params[name]]
+            kept.append(
+                (
+                    step,
+                    name,
+                    torch.equal(params[name], value)
+                    and state.keys() == now.keys()
+                    and all(_same(state[k], now[k]) for k in state),
+                )
+            )
+    return {k: p.detach() - start[k] for k, p in params.items()}, params, opt, kept
+
+
+def _copy(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_branches_that_take_turns_step_as_in_the_loop(device):
+    # A multi-task model trains one branch per step: the other branch's parameters have no gradient and keep their
+    # values and state bit for bit (no decay, no momentum or moment blend, no Magma score, no Adam step count), and
+    # the engine steps the rest as the loop does, without building itself again (the state stays in place).
+    moved, params, opt, kept = _branch_run("engine", device)
+    ref, _, _, kept_ref = _branch_run("loop", device)
+    assert [k for k in kept_ref if not k[2]] == []  # the loop, as the reference
+    assert [k for k in kept if not k[2]] == []
+    _assert_close_to_the_loop(moved, ref, _routes(opt, params))
+    row = opt.execution_table()[0]
+    assert row["implementation"] == "engine"
+    assert row["cuda_graph"] == (device == "cuda")  # the branch steps are captured too
+    # the state tensors of step 2 are those of the last step: the engine was not built again
+    muon = [n for n, route in _routes(opt, params).items() if route == "muon"]
+    held = {n: weakref.ref(opt.state[params[n]]["momentum_buffer"]) for n in muon}
+    for _ in range(2):
+        for name, p in params.items():
+            p.grad = None if name in BRANCHES[0] else torch.randn_like(p)
+        opt.step()
+    assert all(ref() is opt.state[params[n]]["momentum_buffer"] for n, ref in held.items())
 
 
 def _saved_state(opt, params: dict) -> dict:

@@ -266,7 +266,7 @@ class ShardedEngine(GroupEngine):
     def summary(self) -> dict[str, Any]:
         """The ``execution_table`` row: the owners' Newton–Schulz on this rank."""
         kernels = local.kernels_summary(self.kernels, self.exchange.groups, self.compiling)
-        return {"implementation": "fsdp2", **kernels, "cuda_graph": self.executor.captured}
+        return {"implementation": "fsdp2", **kernels, "cuda_graph": self.ran.captured}
 
 
 class ShardedStep(BatchedStep):

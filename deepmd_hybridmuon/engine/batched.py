@@ -21,6 +21,7 @@ current stream; captured, on one side stream beside the Triton launches (:mod:`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import torch
@@ -37,7 +38,8 @@ from .layout import Layout, run_fused
 PARAM_DTYPE_SCALARS = 3
 #: Then the momentum (float64, as ``functional.momentum_`` takes it); then, in float32: 1 - beta1,
 #: 1 - beta2. After them, every Adam parameter's -step size, then every Adam parameter's second bias
-#: correction (each parameter keeps its own step count, as in the loop).
+#: correction (each parameter keeps its own step count, as in the loop); in a masked step then 1.0 or 0.0 for each
+#: parameter of the layout, in its order: whether it has a gradient in this step.
 SCALARS = PARAM_DTYPE_SCALARS + 3
 
 
@@ -49,8 +51,9 @@ class StepInputs:
     across ranks (used with ``nonfinite_across_ranks`` only).
     """
 
-    def __init__(self, layout: Layout) -> None:
-        self.scalars = torch.zeros(SCALARS + 2 * len(layout.adam), dtype=torch.float64, device=layout.device)
+    def __init__(self, layout: Layout, masked: bool = False) -> None:
+        size = SCALARS + 2 * len(layout.adam) + (len(layout.keys) if masked else 0)
+        self.scalars = torch.zeros(size, dtype=torch.float64, device=layout.device)
         self.ok = torch.ones((), dtype=torch.float32, device=layout.device)
 
 
@@ -69,13 +72,18 @@ class BatchedStep:
     """One step of a whole param_group on the flat buffers of ``layout``.
 
     ``shared_gate``: the finite gate comes in through ``inputs.ok`` (agreed across ranks)
-    instead of being computed from this step's gradients.
+    instead of being computed from this step's gradients. ``masked``: some parameters of the layout may have no
+    gradient in a step (multi-task models train one branch at a time); they keep their values and state, as the
+    loop leaves them, through masks read from ``inputs`` (:meth:`scalars`'s ``present``). Their slots of the flat
+    buffer must hold finite numbers, and each Muon parameter's its momentum (``GroupEngine.step`` copies it there),
+    so that the momentum's blend leaves it as it is.
     """
 
-    def __init__(self, layout: Layout, inputs: StepInputs, shared_gate: bool) -> None:
+    def __init__(self, layout: Layout, inputs: StepInputs, shared_gate: bool, masked: bool = False) -> None:
         self.layout = layout
         self.inputs = inputs
         self.shared_gate = shared_gate
+        self.masked = masked
         self.K = compilation.kernels() if layout.triton else None
         self.factor_dtype = F.compute_dtype(layout.dtype)  # the decays' and -lr's dtype
         self.ok = inputs.ok  # the last step's finite gate (compute)
@@ -88,21 +96,24 @@ class BatchedStep:
 
     # ------------------------------------------------------------------ host
 
-    def scalars(self, group: dict[str, Any]) -> list[float]:
+    def scalars(self, group: dict[str, Any], present: list[bool] | None = None) -> list[float]:
         """The step's :data:`SCALARS`, then each Adam parameter's -step size and bias correction 2.
 
-        Advances every Adam parameter's own bias-correction powers (``beta1_pow``, ``beta2_pow``),
-        as the loop does: parameters that missed steps keep their shorter step count.
+        Advances the bias-correction powers (``beta1_pow``, ``beta2_pow``) of every Adam parameter with a gradient
+        (``present``, per parameter of the layout, in a masked step; all of them otherwise), as the loop does:
+        parameters that missed steps keep their shorter step count.
         """
         s = self.settings = F.GroupSettings.of(group)  # read again by subclasses' phases (FSDP2's owners)
         neg_steps, bc2 = [], []
-        for st in self.layout.adam_states:
-            advance_powers(st, s)
+        for st, stepped in zip(self.layout.adam_states, present or itertools.repeat(True), strict=False):
+            if stepped:
+                advance_powers(st, s)
             neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
             neg_steps.append(neg_step)
             bc2.append(divisor)
         param_dtype = [s.muon_decay, -s.lr, s.adamw_decay]  # PARAM_DTYPE_SCALARS
-        return [*param_dtype, s.momentum, 1.0 - s.beta1, 1.0 - s.beta2, *neg_steps, *bc2]
+        masks = [float(m) for m in present] if self.masked else []
+        return [*param_dtype, s.momentum, 1.0 - s.beta1, 1.0 - s.beta2, *neg_steps, *bc2, *masks]
 
     # ---------------------------------------------------------------- device
 
@@ -112,8 +123,13 @@ class BatchedStep:
         Reads only the layout's buffers and :attr:`inputs`.
         """
         self.lane = lane or Lane()
-        scalars = self.inputs.scalars
+        scalars, L = self.inputs.scalars, self.layout
         self.muon_decay, self.neg_lr, self.adamw_decay = scalars[:PARAM_DTYPE_SCALARS].to(self.factor_dtype).unbind(0)
+        if self.masked:  # 1.0 or 0.0 per parameter: of the Adam ones first, as in the flat buffer; then per block
+            present = scalars[SCALARS + 2 * len(L.adam) :].to(torch.float32)
+            self.adam_present, muon_present = present[: len(L.adam)], present[len(L.adam) :]
+            self.block_present = muon_present.index_select(0, L.block_owner)
+            self.muon_present = muon_present
         self.ok = step.run(self)  # captured: the graph's tensor, which each replay rewrites
 
     # The phases of step.run, on the layout's buffers.
@@ -134,9 +150,14 @@ class BatchedStep:
         if not L.adam:
             return
         adam = self.inputs.scalars[PARAM_DTYPE_SCALARS + 1 :].to(torch.float32)  # 1 - beta1, 1 - beta2, per param
-        neg_step, bc2 = adam[2:].view(2, -1).index_select(1, L.adam_owner)  # each parameter's pair, one gather
+        per_param = adam[2 : 2 + 2 * len(L.adam)].view(2, -1)
+        if self.masked:
+            per_param = torch.cat([per_param, self.adam_present.view(1, -1)])
+        neg_step, bc2, *present = per_param.index_select(1, L.adam_owner)  # each parameter's numbers, one gather
         weights, grads = adam[:2] if ok is None else ok * adam[:2], F.sanitize(L.adam_grad.to(torch.float32), ok)
         step_size = neg_step if ok is None else neg_step * ok
+        if present:  # a parameter without a gradient: neither its moments nor the parameter move
+            weights, step_size = weights.view(2, 1) * present[0], step_size * present[0]
         L.adam_grad.copy_(F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size))
 
     def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
@@ -182,6 +203,8 @@ class BatchedStep:
         damp = self._damp(ok)
         factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
         factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
+        if self.masked:  # a matrix without a gradient: no update
+            factor.mul_(self.block_present)
         with self.lane():  # each stack, scaled by its blocks' factors, back into its matrices
             for b, out in zip(L.buckets, self.stacks, strict=True):
                 factors, start = factor.index_select(0, b.block_ids), 0
@@ -201,6 +224,8 @@ class BatchedStep:
         sums, self.sums = self.sums, None
         if sums is None:
             return None
+        if self.masked:  # the score of a matrix without a gradient stays
+            ok = self.block_present if ok is None else ok * self.block_present
         if isinstance(sums, torch.Tensor):  # over segments
             return F.magma_damp(self.layout.scores, sums, ok)
         return F.magma_scale_(self.layout.scores, F.magma_score(*sums), ok)
@@ -210,8 +235,22 @@ class BatchedStep:
         L = self.layout
         self.lane.join()
         if L.weight_decay:  # decay: Muon's, AdamW's, or none for Adam
+            masked = self.masked
             if L.adamw:
-                torch._foreach_mul_(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype))
+                present = self.adam_present.index_select(0, L.adamw_ids) if masked else None
+                self._decay(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype), present)
             if L.muon:
-                torch._foreach_mul_([p for p, _ in L.muon], F.gate_factor(self.muon_decay, ok, L.dtype))
-        torch._foreach_add_(L.staged, L.grad_views)
+                self._decay(
+                    [p for p, _ in L.muon],
+                    F.gate_factor(self.muon_decay, ok, L.dtype),
+                    self.muon_present if masked else None,
+                )
+        torch._foreach_add_(L.staged, L.grad_views)  # a parameter without a gradient adds a zero update
+
+    @staticmethod
+    def _decay(params: list[torch.Tensor], factor: torch.Tensor, present: torch.Tensor | None) -> None:
+        """``params`` times ``factor``; with ``present`` (masked steps) each by its own, 1 without a gradient."""
+        if present is None:
+            torch._foreach_mul_(params, factor)
+        else:
+            torch._foreach_mul_(params, list(torch.where(present > 0, factor, 1.0).to(factor.dtype).unbind(0)))

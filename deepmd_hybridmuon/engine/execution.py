@@ -143,7 +143,6 @@ class Executor:
         self.use_graph = use_graph and self.device.type == "cuda"
         self.capture: _Capture | None = None
         self.eager_steps = 0
-        self.grad_views = layout.grad_views
         # Host side of StepInputs.scalars: a ring of pinned buffers.
         pinned = self.device.type == "cuda"
         size = step.inputs.scalars.numel()
@@ -152,15 +151,17 @@ class Executor:
         self.events = [torch.cuda.Event() if pinned else None for _ in self.host]
         self.turn = 0
 
-    def stage(self, scalars: list[float], grads: list[torch.Tensor], shared: torch.Tensor | None) -> None:
-        """Move this step's scalars, gradients and (if given) agreed finite gate into the static inputs."""
+    def stage(
+        self, scalars: list[float], views: list[torch.Tensor], grads: list[torch.Tensor], shared: torch.Tensor | None
+    ) -> None:
+        """Move this step's scalars, gradients (into their ``views`` of the flat buffer) and agreed gate into place."""
         inputs = self.step.inputs
         turn = self.turn = (self.turn + 1) % len(self.host)
         host, event = self.host[turn], self.events[turn]
         if event is not None:
             event.synchronize()  # the copy that last read this buffer has run (at once, in practice)
         self.host_scalars[turn][:] = scalars
-        torch._foreach_copy_(self.grad_views, grads)
+        torch._foreach_copy_(views, grads)
         inputs.scalars.copy_(host, non_blocking=event is not None)
         if event is not None:
             event.record()

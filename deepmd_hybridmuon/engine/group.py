@@ -25,8 +25,9 @@ class GroupEngine:
     Parameters
     ----------
     group
-        The param_group. Parameters without a gradient (or empty) are left out; the engine
-        holds as long as :meth:`matches` says so.
+        The param_group. Empty parameters are left out, and so are those without a gradient, unless they have
+        state (they were stepped before: a multi-task model's other branches) and are not FSDP2's shards; a step
+        leaves those without a gradient as they are. The engine holds as long as :meth:`matches` says so.
     routes
         The route of every parameter of ``group["params"]``, in order.
     state
@@ -59,12 +60,12 @@ class GroupEngine:
     ) -> None:
         self.signature = signature
         self.group_params = list(group["params"])
-        active = [(p, r) for p, r in zip(self.group_params, routes, strict=True) if p.numel() > 0]
-        self.gradless = [p for p, _ in active if p.grad is None]
-        active = [(p, r) for p, r in active if p.grad is not None]
+        self.sharded = any(map(is_dtensor, self.group_params))  # FSDP2's DTensors: the step writes their local shards
+        nonempty = [(p, r) for p, r in zip(self.group_params, routes, strict=True) if p.numel() > 0]
+        active = [(p, r) for p, r in nonempty if self._steps(p, state, self.sharded)]
+        self.gradless = [p for p, _ in nonempty if not self._steps(p, state, self.sharded)]
         self.active = active  # (parameter, route) of those it steps, in group order
         params, active_routes = [p for p, _ in active], [r for _, r in active]
-        self.sharded = any(map(is_dtensor, params))  # FSDP2's DTensors: the step writes their local shards
         kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon and self.PATHS)
         self.layout = Layout(params, active_routes, state, group, kernels, self.PATHS)
         # What the step reads and writes of the optimizer's state: each parameter's entry, and the tensors in it
@@ -75,6 +76,13 @@ class GroupEngine:
         self.shared_gate = shared_gate
         self.batched = self._batched(group, StepInputs(self.layout), shared_gate, flash_muon)
         self.executor = Executor(self.batched, cuda_graph)
+        self.masked: tuple[BatchedStep, Executor] | None = None  # the step of some parameters without a gradient
+        self.ran = self.executor  # the executor of the last step
+
+    @staticmethod
+    def _steps(p: torch.Tensor, state: dict, sharded: bool) -> bool:
+        """Whether the engine holds ``p``: it has a gradient, or state (from an earlier step) and is no shard."""
+        return p.grad is not None or (not sharded and bool(state.get(p)))
 
     def _batched(self, group: dict[str, Any], inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
         """The step on :attr:`layout`'s buffers."""
@@ -107,7 +115,7 @@ class GroupEngine:
         ``state`` is the optimizer's. A momentum keeps its dtype in the loop when its parameter's data takes
         another (``p.data = p.data.double()`` after steps); the engine's flat momentum has the parameters' dtype.
         """
-        params = [p for p in group["params"] if p.numel() > 0 and p.grad is not None]
+        params = [p for p in group["params"] if p.numel() > 0 and (p.grad is not None or state.get(p))]
         if not params:
             return False
         first = params[0]
@@ -119,7 +127,7 @@ class GroupEngine:
         )
 
     def matches(self, group: dict[str, Any], state: dict) -> bool:
-        """The same parameters as at build, in the same storage and shape, gradients on the same ones; the same state.
+        """The same parameters as at build, in the same storage and shape, no new one with a gradient; the same state.
 
         A parameter's storage changes with ``p.data = ...`` (e.g. ``module.half()`` after the
         optimizer was built); the engine would otherwise go on writing to the old memory. Its
@@ -136,7 +144,7 @@ class GroupEngine:
         L = self.layout
         local = [local_shard(p) for p in L.keys] if self.sharded else L.keys  # the tensors the step writes, as now
         return all(
-            p.grad is not None and t.data_ptr() == ptr and t.shape == shape
+            (p.grad is not None or not self.sharded) and t.data_ptr() == ptr and t.shape == shape
             for p, t, ptr, shape in zip(L.keys, local, L.storage, L.shapes, strict=True)
         ) and (
             all(p.grad is None for p in self.gradless)
@@ -157,11 +165,28 @@ class GroupEngine:
         """
         if self.shared_gate and shared is None:
             raise RuntimeError("the flat engine was built with a shared finite gate; step() got none")
-        # the gradients first: a failure there leaves the Adam powers (advanced by scalars) as they were
-        grads = [local_shard(laid_out_like(p.grad, p)) for p in self.layout.keys]
-        self.executor.stage(self.batched.scalars(group), grads, shared if self.shared_gate else None)
-        self.executor.run()
-        return self.batched.ok
+        L, shared = self.layout, shared if self.shared_gate else None
+        # The gradients first: a failure there leaves the Adam powers (advanced by scalars) as they were.
+        present = [p.grad is not None for p in L.keys]
+        if all(present):
+            step, executor, views = self.batched, self.executor, L.grad_views
+            grads = [local_shard(laid_out_like(p.grad, p)) for p in L.keys]
+        else:
+            if self.masked is None:
+                masked = BatchedStep(L, StepInputs(L, masked=True), self.shared_gate, masked=True)
+                self.masked = (masked, Executor(masked, self.executor.use_graph))
+            step, executor = self.masked
+            # each gradient in its place; a Muon parameter without one: its momentum (BatchedStep's masked step)
+            pairs = [
+                (view, entry["momentum_buffer"] if p.grad is None else p.grad)
+                for p, view, entry in zip(L.keys, L.grad_views, self.entries, strict=True)
+                if p.grad is not None or "momentum_buffer" in entry
+            ]
+            views, grads = [v for v, _ in pairs], [g for _, g in pairs]
+        executor.stage(step.scalars(group, present), views, grads, shared)
+        self.ran = executor
+        executor.run()
+        return step.ok
 
     def summary(self) -> dict[str, Any]:
         """How this engine runs its group (see ``HybridMuonOptimizer.execution_table``)."""
@@ -170,7 +195,7 @@ class GroupEngine:
         return {
             "implementation": "engine",
             "kernels": kernels,
-            "cuda_graph": self.executor.captured,
+            "cuda_graph": self.ran.captured,
             "program_matrices": sum(len(f.meta) for f in L.fused_paths),
             "torch_matrices": [(b.rows, b.cols) for b in L.buckets for _ in b.members],
         }

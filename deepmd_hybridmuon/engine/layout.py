@@ -155,6 +155,8 @@ class Layout:
         self.keys = adam_keys + [p for p, _ in muon_keys]
         self.adam = [local[id(p)] for p in adam_keys]
         self.adamw = [local[id(p)] for p, r in zip(params, routes, strict=True) if r.route == "adamw"]
+        adamw = {id(p) for p in self.adamw}
+        self.adamw_ids = torch.tensor([i for i, p in enumerate(self.adam) if id(p) in adamw], device=self.device)
         self.muon: list[MuonEntry] = [(local[id(p)], view) for p, view in muon_keys]
         self.weight_decay = float(group["weight_decay"]) > 0
         self.magma = bool(group["magma_muon"])
@@ -209,6 +211,8 @@ class Layout:
             lengths += [rows * cols] * bs
             scales += [settings.scale(rows, cols)] * bs
         self.block_scale = torch.tensor(scales, dtype=torch.float32, **kw)
+        counts = torch.tensor([bs for bs, _, _ in views], dtype=torch.int64)
+        self.block_owner = torch.repeat_interleave(torch.arange(len(views)), counts).to(self.device)  # per block
         self.block_factor = torch.zeros_like(self.block_scale)  # scale x Magma x -lr, per step
         if self.magma:
             self.scores = torch.full((len(lengths),), F.MAGMA_INITIAL_SCORE, dtype=torch.float32, **kw)
