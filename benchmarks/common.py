@@ -159,11 +159,13 @@ def absolute_systems(systems: Any, base: Path) -> Any:
 
 
 def absolute_data_paths(training: dict[str, Any], base: Path) -> None:
-    """Make the training and validation systems of a ``training`` section absolute, in place."""
-    for key in ("training_data", "validation_data"):
-        data = training.get(key)
-        if isinstance(data, dict) and "systems" in data:
-            data["systems"] = absolute_systems(data["systems"], base)
+    """Make the training and validation systems of a ``training`` section absolute, in place (each multi-task
+    branch's, in ``data_dict``, too)."""
+    for section in [training, *(training.get("data_dict") or {}).values()]:
+        for key in ("training_data", "validation_data"):
+            data = section.get(key)
+            if isinstance(data, dict) and "systems" in data:
+                data["systems"] = absolute_systems(data["systems"], base)
 
 
 def timing_input(
@@ -187,7 +189,11 @@ def timing_input(
     training["disp_freq"] = disp_freq
     training["save_freq"] = max(steps, 1)  # no intermediate checkpoint inside the timed intervals
     training["disp_file"] = "lcurve.out"
-    training["stat_file"] = str(stat_file)
+    branches = training.get("data_dict") or {}
+    for name, branch in branches.items():  # multi-task: a statistics file per branch
+        branch["stat_file"] = str(stat_file.with_name(f"{stat_file.stem}_{name}{stat_file.suffix}"))
+    if not branches:
+        training["stat_file"] = str(stat_file)
     absolute_data_paths(training, config_path.parent)
     if variant in ("ours", "builtin"):
         section: dict[str, Any] = {"type": "HybridMuon", **opt_kw}
