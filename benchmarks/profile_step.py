@@ -147,7 +147,10 @@ def graph_split(named: list, kw: dict, timeline: bool = False) -> str:
         t0 = time.perf_counter()
         opt._engine_signature(group)
         t1 = time.perf_counter()
-        engine.executor.stage(engine.batched.scalars(group), [p.grad for p in engine.layout.staged], None)
+        L = engine.layout
+        engine.executor.stage(
+            engine.batched.scalars(group, [True] * len(L.keys)), L.grad_views, [p.grad for p in L.staged], None
+        )
         t2 = time.perf_counter()
         engine.executor.capture.replay()
         t3 = time.perf_counter()

@@ -21,7 +21,6 @@ current stream; captured, on one side stream beside the Triton launches (:mod:`.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from typing import Any
 
 import torch
@@ -96,16 +95,16 @@ class BatchedStep:
 
     # ------------------------------------------------------------------ host
 
-    def scalars(self, group: dict[str, Any], present: list[bool] | None = None) -> list[float]:
-        """The step's :data:`SCALARS`, then each Adam parameter's -step size and bias correction 2.
+    def scalars(self, group: dict[str, Any], present: list[bool]) -> list[float]:
+        """The step's :data:`SCALARS`, then each Adam parameter's -step size and bias correction 2 (then the masks).
 
         Advances the bias-correction powers (``beta1_pow``, ``beta2_pow``) of every Adam parameter with a gradient
-        (``present``, per parameter of the layout, in a masked step; all of them otherwise), as the loop does:
-        parameters that missed steps keep their shorter step count.
+        (``present``: per parameter of the layout, in its order), as the loop does: parameters that missed steps keep
+        their shorter step count.
         """
         s = self.settings = F.GroupSettings.of(group)  # read again by subclasses' phases (FSDP2's owners)
         neg_steps, bc2 = [], []
-        for st, stepped in zip(self.layout.adam_states, present or itertools.repeat(True), strict=False):
+        for st, stepped in zip(self.layout.adam_states, present, strict=False):  # the Adam parameters come first
             if stepped:
                 advance_powers(st, s)
             neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
@@ -235,16 +234,13 @@ class BatchedStep:
         L = self.layout
         self.lane.join()
         if L.weight_decay:  # decay: Muon's, AdamW's, or none for Adam
-            masked = self.masked
+            adamw, muon = (
+                (self.adam_present.index_select(0, L.adamw_ids), self.muon_present) if self.masked else [None] * 2
+            )
             if L.adamw:
-                present = self.adam_present.index_select(0, L.adamw_ids) if masked else None
-                self._decay(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype), present)
+                self._decay(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype), adamw)
             if L.muon:
-                self._decay(
-                    [p for p, _ in L.muon],
-                    F.gate_factor(self.muon_decay, ok, L.dtype),
-                    self.muon_present if masked else None,
-                )
+                self._decay([p for p, _ in L.muon], F.gate_factor(self.muon_decay, ok, L.dtype), muon)
         torch._foreach_add_(L.staged, L.grad_views)  # a parameter without a gradient adds a zero update
 
     @staticmethod
