@@ -902,6 +902,41 @@ def design_eager() -> str:
     return text + "\n\n" + sources(names)
 
 
+#: Multi-task: the engine built again at each change of the parameters with a gradient (old: bd35792) or masked (new).
+MULTITASK_VERSIONS = ["old", "new", "new", "old"]
+MULTITASK_STEP = [(v, f"multitask_step_h200_2026-11-28_{i}_{v}.json") for i, v in enumerate(MULTITASK_VERSIONS, 1)]
+MULTITASK_SINGLE = [
+    (v, f"step_time_h200_2026-11-28_multitask_{i}_{v}.json") for i, v in enumerate(MULTITASK_VERSIONS, 1)
+]
+MULTITASK_E2E = [
+    (v, f"train_speed_dpa3_multitask_h200_2026-11-28_{i}_{v}.json") for i, v in enumerate(MULTITASK_VERSIONS, 1)
+]
+
+
+def multitask() -> str:
+    """Ours' step with branches taking turns, before (bd35792) and after; DPA-3 multi-task end to end; single-task."""
+    label = {"old": "bd35792", "new": "220da46"}
+    how = {"old": "bd35792 (built again at each change)", "new": "220da46 (the masked step)"}
+    ways = [r["way"] for r in load(MULTITASK_STEP[0][1])["rows"] if r["round"] == 1]
+    rows = []
+    for version in ("old", "new"):
+        runs = [load(n)["rows"] for v, n in MULTITASK_STEP if v == version]
+        cells = [" / ".join(f"{r['median_ms']:.2f}" for run in runs for r in run if r["way"] == way) for way in ways]
+        rows.append([how[version], *cells])
+    text = table(["ours", *(f"step ms, {w} (4 rounds)" for w in ways)], rows)
+    spb = {v: " / ".join(f"{run_spb(n):.4f}" for u, n in MULTITASK_E2E if u == v) for v in ("old", "new")}
+    head = ["model", f"s/batch, {label['old']} (two runs)", f"{label['new']} (two runs)"]
+    text += "\n\n" + table(head, [["DPA-3 water, two branches", spb["old"], spb["new"]]])
+    rows = []
+    for config in load(MULTITASK_SINGLE[0][1])["configs"]:
+        runs = {v: [step_medians(n, config)["ours"] for u, n in MULTITASK_SINGLE if u == v] for v in ("old", "new")}
+        rows.append([MODEL[config], *(" / ".join(f"{x:.3f}" for x in runs[v]) for v in ("old", "new"))])
+    head = ["model (single-task)", f"step ms, {label['old']} (two runs)", f"{label['new']} (two runs)"]
+    text += "\n\n" + table(head, rows)
+    names = [n for _, n in MULTITASK_STEP + MULTITASK_E2E + MULTITASK_SINGLE]
+    return text + "\n\n" + sources(names)
+
+
 TRITON_STEP = [f"step_time_h200_2026-11-28_triton_r{r}.json" for r in (1, 2)]
 TRITON_E2E = [
     f"train_speed_dpa3_h200_2026-11-28_triton_{i}_{v}.json"
@@ -1082,6 +1117,7 @@ BLOCKS = {
     "design-stacks": design_stacks,
     "design-triton": design_triton,
     "design-eager": design_eager,
+    "multitask": multitask,
     "design-ddp-split": design_ddp_split,
     "design-alignment": design_alignment,
     "memory": memory,
@@ -1132,7 +1168,10 @@ def readme_claims() -> list[str]:
     fsdp = [r for r in pairs if r["stage"] >= 2]
     spb = [r["spb"]["ours"] / r["spb"]["adamw"] for r in fsdp]
     host = {v: [r["clocks"][v][1] for r in fsdp] for v in ("ours", "adamw")}
+    multi = {v: [run_spb(n) for u, n in MULTITASK_E2E if u == v] for v in ("old", "new")}
+    saved = (1 - max(multi["new"]) / min(multi["old"]), 1 - min(multi["new"]) / max(multi["old"]))
     return [
+        f"a two-branch DPA-3 water run takes {saved[0] * 100:.0f}{DASH}{saved[1] * 100:.0f} % less time a batch",
         f"our step took {min(z_step):.2f}{DASH}{max(z_step):.2f}{TIMES} AdamW's, and the runs "
         f"{min(z_spb):.2f}{DASH}{max(z_spb):.2f}{TIMES} its s/batch",
         f"under FSDP2 ours trains at {min(spb):.2f}{DASH}{max(spb):.2f}{TIMES} AdamW's s/batch, and its step keeps the "
