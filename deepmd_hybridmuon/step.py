@@ -45,7 +45,7 @@ class Phases(Protocol):
 
     @property
     def has_muon(self) -> bool:
-        """Whether phases 3-5 have work: the group has Muon matrices with gradients."""
+        """Whether phases 3-5 have work: the group has Muon matrices in this step."""
         ...
 
     @property

@@ -117,19 +117,19 @@ BRANCHES = (
 )
 
 
-def _branch_run(implementation: str, device: str, steps: int = 8) -> tuple[dict, dict, object, list]:
+def _branch_run(implementation: str, device: str, without: str, steps: int = 8) -> tuple[dict, dict, object, list]:
     """Steps that train both branches, then one branch at a time (the other's gradients None); what each moved.
 
-    Step 5 has a NaN in a gradient (a skipped step). Also, per step, each parameter without a gradient: whether its
-    value and state stayed bit for bit.
+    The model lacks the parameter ``without`` (or ""). Step 5 has a NaN in a gradient (a skipped step), step 6 no
+    gradient at all. Also, per step, each parameter without a gradient: whether its value and state stayed bit for bit.
     """
-    params = _params(torch.float32, device)
+    params = {k: p for k, p in _params(torch.float32, device).items() if k != without}
     start = {k: p.detach().clone() for k, p in params.items()}
     opt = make_optimizer(list(params.values()), implementation, lr=1e-2, named_parameters=params.items())
     gen = torch.Generator().manual_seed(5)
     kept = []
     for step in range(steps):
-        off = BRANCHES[step % 2] if step >= 2 else set()
+        off = set(params) if step == 6 else BRANCHES[step % 2] & set(params) if step >= 2 else set()
         for name, p in params.items():
             p.grad = None if name in off else torch.randn(p.shape, generator=gen).to(device, p.dtype)
         if step == 5:  # a NaN in a gradient of the trained branch: the whole step is skipped, as in the loop
@@ -158,13 +158,15 @@ def _same(a, b) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
+@pytest.mark.parametrize("without", ["", "rep.ls.adamw_gamma"], ids=["all-routes", "no-adamw"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_branches_that_take_turns_step_as_in_the_loop(device):
+def test_branches_that_take_turns_step_as_in_the_loop(device, without):
     # A multi-task model trains one branch per step: the other branch's parameters have no gradient and keep their
     # values and state bit for bit (no decay, no momentum or moment blend, no Magma score, no Adam step count), and
-    # the engine steps the rest as the loop does, without building itself again (the state stays in place).
-    moved, params, opt, kept = _branch_run("engine", device)
-    ref, _, _, kept_ref = _branch_run("loop", device)
+    # the engine steps the rest as the loop does, without building itself again (the state stays in place). With
+    # weight decay, with and without an AdamW-routed parameter.
+    moved, params, opt, kept = _branch_run("engine", device, without)
+    ref, _, _, kept_ref = _branch_run("loop", device, without)
     assert [k for k in kept_ref if not k[2]] == []  # the loop, as the reference
     assert [k for k in kept if not k[2]] == []
     _assert_close_to_the_loop(moved, ref, _routes(opt, params))
@@ -179,6 +181,32 @@ def test_branches_that_take_turns_step_as_in_the_loop(device):
             p.grad = None if name in BRANCHES[0] else torch.randn_like(p)
         opt.step()
     assert all(ref() is opt.state[params[n]]["momentum_buffer"] for n, ref in held.items())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_parameter_rerouted_while_it_has_no_gradient_keeps_its_state(device):
+    # Renamed between steps so that its route changes (Muon -> Adam) in a step where it has no gradient: the loop
+    # leaves it and its Muon state alone; so must the engine (its state is not its route's: it is left out).
+    def run(implementation: str):
+        gen = torch.Generator().manual_seed(2)
+        w, v, b = (torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in ((8, 8), (8, 8), (8,)))
+        named = [("fit.matrix", w), ("other.matrix", v), ("shared.bias", b)]
+        opt = make_optimizer([w, v, b], implementation, lr=1e-2, named_parameters=named)
+        for step in range(4):
+            for _, p in named:
+                p.grad = torch.randn(p.shape, generator=gen).to(device)
+            if step == 2:
+                opt.set_param_names([("fit.adam_matrix", w), ("other.matrix", v), ("shared.bias", b)])
+                w.grad = None
+                before = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+            opt.step()
+            if step == 2:
+                assert torch.equal(w, before[0]) and torch.equal(opt.state[w]["momentum_buffer"], before[1])
+        return {n: p.detach().clone() for n, p in named}
+
+    engine, loop = run("engine"), run("loop")
+    for name, value in loop.items():
+        torch.testing.assert_close(engine[name], value, rtol=TORCH_MUON_TOL, atol=0, msg=name)
 
 
 def _saved_state(opt, params: dict) -> dict:

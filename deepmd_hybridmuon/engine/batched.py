@@ -45,7 +45,7 @@ SCALARS = PARAM_DTYPE_SCALARS + 3
 class StepInputs:
     """The device tensors through which a step's changing inputs reach :meth:`BatchedStep.compute`.
 
-    Allocated once per engine (a captured graph reads them at fixed addresses): ``scalars``
+    Allocated once per step of an engine (a captured graph reads them at fixed addresses): ``scalars``
     holds the float64 scalars of :meth:`BatchedStep.scalars`; ``ok`` is the finite gate agreed
     across ranks (used with ``nonfinite_across_ranks`` only).
     """
@@ -75,7 +75,8 @@ class BatchedStep:
     gradient in a step (multi-task models train one branch at a time); they keep their values and state, as the
     loop leaves them, through masks read from ``inputs`` (:meth:`scalars`'s ``present``). Their slots of the flat
     buffer must hold finite numbers, and each Muon parameter's its momentum (``GroupEngine.step`` copies it there),
-    so that the momentum's blend leaves it as it is.
+    so that the momentum's blend leaves it as it is. Their update is a zero, which turns an element of -0.0 into
+    +0.0 (the same number).
     """
 
     def __init__(self, layout: Layout, inputs: StepInputs, shared_gate: bool, masked: bool = False) -> None:
@@ -135,7 +136,7 @@ class BatchedStep:
 
     @property
     def has_muon(self) -> bool:
-        """Whether the group has Muon matrices with gradients (phases 3-5 have work)."""
+        """Whether the layout has Muon matrices (phases 3-5 have work)."""
         return bool(self.layout.muon)
 
     def gate(self) -> torch.Tensor:

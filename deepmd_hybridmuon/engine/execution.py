@@ -13,7 +13,8 @@ Contract of :class:`Executor`:
   once the copy that last read it has run (its event; at once, in practice).
 * **Capture.** On CUDA with ``use_graph``, after :data:`GRAPH_WARMUP` eager steps (so
   cuBLAS and the caching allocator settle, as torch's CUDA-graph notes advise),
-  ``step.compute`` is captured once, the torch stacks on a high-priority side stream beside
+  ``step.compute`` is captured once per executor (an engine has one for its step, and one for its masked step
+  once a step leaves a parameter out), the torch stacks on a high-priority side stream beside
   the Triton launches (they are the step's critical path). cuBLAS keeps a workspace (32 MiB
   on Hopper) for each (handle, stream) it runs on, so every capture of a thread uses the same
   two streams (:func:`stream`), and the engine's products run on the side one. This holds on

@@ -62,8 +62,8 @@ class GroupEngine:
         self.group_params = list(group["params"])
         self.sharded = any(map(is_dtensor, self.group_params))  # FSDP2's DTensors: the step writes their local shards
         nonempty = [(p, r) for p, r in zip(self.group_params, routes, strict=True) if p.numel() > 0]
-        active = [(p, r) for p, r in nonempty if self._steps(p, state, self.sharded)]
-        self.gradless = [p for p, _ in nonempty if not self._steps(p, state, self.sharded)]
+        active = [(p, r) for p, r in nonempty if self._holds(p, r, state)]
+        self.gradless = [p for p, r in nonempty if not self._holds(p, r, state)]
         self.active = active  # (parameter, route) of those it steps, in group order
         params, active_routes = [p for p, _ in active], [r for _, r in active]
         kernels, self.compiling = self._kernels(group, params, active_routes, flash_muon and self.PATHS)
@@ -79,10 +79,10 @@ class GroupEngine:
         self.masked: tuple[BatchedStep, Executor] | None = None  # the step of some parameters without a gradient
         self.ran = self.executor  # the executor of the last step
 
-    @staticmethod
-    def _steps(p: torch.Tensor, state: dict, sharded: bool) -> bool:
-        """Whether the engine holds ``p``: it has a gradient, or state (from an earlier step) and is no shard."""
-        return p.grad is not None or (not sharded and bool(state.get(p)))
+    def _holds(self, p: torch.Tensor, route: F.ParamRoute, state: dict) -> bool:
+        """Whether the engine holds ``p``: it has a gradient, or is no shard and has its route's state (a step)."""
+        key = "momentum_buffer" if route.route == "muon" else "exp_avg"
+        return p.grad is not None or (not self.sharded and key in state.get(p, ()))
 
     def _batched(self, group: dict[str, Any], inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
         """The step on :attr:`layout`'s buffers."""
@@ -157,17 +157,20 @@ class GroupEngine:
         """Built with the torch path while Triton compiled, and the kernels are ready now."""
         return self.compiling is not None and self.compiling.is_set()
 
-    def step(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, group: dict[str, Any], shared: torch.Tensor | None = None) -> torch.Tensor | None:
         """One step of the whole group, as the loop's :func:`~deepmd_hybridmuon.loop.step_group`.
 
         ``shared`` is the finite gate agreed across ranks (``nonfinite_across_ranks``), else ``None``.
-        Returns the step's finite gate (a device scalar, 1.0 when the step was taken).
+        Returns the step's finite gate (a device scalar, 1.0 when the step was taken); ``None`` when no parameter
+        has a gradient.
         """
         if self.shared_gate and shared is None:
             raise RuntimeError("the flat engine was built with a shared finite gate; step() got none")
         L, shared = self.layout, shared if self.shared_gate else None
         # The gradients first: a failure there leaves the Adam powers (advanced by scalars) as they were.
         present = [p.grad is not None for p in L.keys]
+        if not any(present):  # nothing to step: as in the loop, no step and no gate
+            return None
         if all(present):
             step, executor, views = self.batched, self.executor, L.grad_views
             grads = [local_shard(laid_out_like(p.grad, p)) for p in L.keys]

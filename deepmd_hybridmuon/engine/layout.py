@@ -119,8 +119,8 @@ class Layout:
     Parameters
     ----------
     params
-        The group's parameters that take part in the step (non-empty, with a gradient), in
-        group order; one dtype and device. FSDP2's DTensors are laid out by their local shards
+        The group's parameters that take part in the step (non-empty, with a gradient or their route's
+        state), in group order; one dtype and device. FSDP2's DTensors are laid out by their local shards
         (``paths`` off: their matrices are orthogonalised whole elsewhere).
     routes
         Their routes (:func:`deepmd_hybridmuon.functional.route_parameter`).
@@ -156,7 +156,9 @@ class Layout:
         self.adam = [local[id(p)] for p in adam_keys]
         self.adamw = [local[id(p)] for p, r in zip(params, routes, strict=True) if r.route == "adamw"]
         adamw = {id(p) for p in self.adamw}
-        self.adamw_ids = torch.tensor([i for i, p in enumerate(self.adam) if id(p) in adamw], device=self.device)
+        self.adamw_ids = torch.tensor(
+            [i for i, p in enumerate(self.adam) if id(p) in adamw], dtype=torch.int64, device=self.device
+        )
         self.muon: list[MuonEntry] = [(local[id(p)], view) for p, view in muon_keys]
         self.weight_decay = float(group["weight_decay"]) > 0
         self.magma = bool(group["magma_muon"])
