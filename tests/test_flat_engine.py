@@ -209,6 +209,25 @@ def test_a_parameter_rerouted_while_it_has_no_gradient_keeps_its_state(device):
         torch.testing.assert_close(engine[name], value, rtol=TORCH_MUON_TOL, atol=0, msg=name)
 
 
+def test_a_matrix_frozen_after_steps_leaves_the_step():
+    # Frozen (requires_grad off, no gradient) after two steps, with its state: the step no longer orthogonalises it,
+    # where a trainable matrix without a gradient (another branch) stays in the step, masked.
+    params = _params(torch.float32, "cpu")
+    opt = make_optimizer(list(params.values()), "engine", lr=1e-2, named_parameters=params.items())
+
+    def matrices(frozen: set[str], idle: set[str]) -> int:
+        for name, p in params.items():
+            p.requires_grad_(name not in frozen)
+            p.grad = None if name in frozen | idle else torch.randn_like(p)
+        opt.step()
+        row = opt.execution_table()[0]
+        return row["program_matrices"] + len(row["torch_matrices"])
+
+    everything = matrices(set(), set())
+    assert matrices(set(), {"fit.layers.1.matrix"}) == everything  # another branch's: masked, still held
+    assert matrices({"fit.layers.1.matrix"}, set()) == everything - 1
+
+
 def _saved_state(opt, params: dict) -> dict:
     """Each parameter's saved state (``state_dict()["state"]``), by name."""
     names = list(params)  # the group's parameters, in order

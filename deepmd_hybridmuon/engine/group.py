@@ -25,9 +25,10 @@ class GroupEngine:
     Parameters
     ----------
     group
-        The param_group. Empty parameters are left out, and so are those without a gradient, unless they have
-        state (they were stepped before: a multi-task model's other branches) and are not FSDP2's shards; a step
-        leaves those without a gradient as they are. The engine holds as long as :meth:`matches` says so.
+        The param_group. Empty parameters are left out, and so are those without a gradient, unless they are
+        trainable, have their route's state (they were stepped before: a multi-task model's other branches) and are
+        not FSDP2's shards; a step leaves those without a gradient as they are. The engine holds as long as
+        :meth:`matches` says so.
     routes
         The route of every parameter of ``group["params"]``, in order.
     state
@@ -80,9 +81,13 @@ class GroupEngine:
         self.ran = self.executor  # the executor of the last step
 
     def _holds(self, p: torch.Tensor, route: F.ParamRoute, state: dict) -> bool:
-        """Whether the engine holds ``p``: it has a gradient, or is no shard and has its route's state (a step)."""
+        """Whether the engine holds ``p``: it has a gradient, or it is trainable, no shard, and has its route's state.
+
+        A frozen parameter (``requires_grad`` off) with state from earlier steps is left out: it would cost a
+        masked step, and its Newton-Schulz, at every step.
+        """
         key = "momentum_buffer" if route.route == "muon" else "exp_avg"
-        return p.grad is not None or (not self.sharded and key in state.get(p, ()))
+        return p.grad is not None or (p.requires_grad and not self.sharded and key in state.get(p, ()))
 
     def _batched(self, group: dict[str, Any], inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
         """The step on :attr:`layout`'s buffers."""
@@ -127,7 +132,7 @@ class GroupEngine:
         )
 
     def matches(self, group: dict[str, Any], state: dict) -> bool:
-        """The same parameters as at build, in the same storage and shape, no new one with a gradient; the same state.
+        """The same parameters, storage and shapes as at build, no new one with a gradient, none frozen; the same state.
 
         A parameter's storage changes with ``p.data = ...`` (e.g. ``module.half()`` after the
         optimizer was built); the engine would otherwise go on writing to the old memory. Its
@@ -144,7 +149,7 @@ class GroupEngine:
         L = self.layout
         local = [local_shard(p) for p in L.keys] if self.sharded else L.keys  # the tensors the step writes, as now
         return all(
-            (p.grad is not None or not self.sharded) and t.data_ptr() == ptr and t.shape == shape
+            (p.grad is not None or (p.requires_grad and not self.sharded)) and t.data_ptr() == ptr and t.shape == shape
             for p, t, ptr, shape in zip(L.keys, local, L.storage, L.shapes, strict=True)
         ) and (
             all(p.grad is None for p in self.gradless)
