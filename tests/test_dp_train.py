@@ -208,3 +208,31 @@ def test_a_checkpoint_without_a_later_option_resumes_with_its_state(workdir, fir
         # a reduction differently under load (two threads), which the bfloat16 Newton-Schulz can amplify to about
         # 1e-3 of a parameter's change; a restart from fresh state would leave only 2 of 62 steps of momentum (~90 %).
         assert float((a - b).norm()) <= 1e-2 * float(a.norm())
+
+
+def test_multi_task_branches_take_turns_and_each_trains(workdir, first_run):
+    """A two-branch multi-task input (one shared descriptor): each batch trains one branch, whose fitting net moves,
+    while the other's keeps its values and optimizer state (tests/test_flat_engine.py checks that bit for bit)."""
+    config = _input(workdir, 24)
+    model = config.pop("model")
+    branch = {"type_map": "type_map_all", "descriptor": "shared_descriptor", "fitting_net": model["fitting_net"]}
+    config["model"] = {
+        "shared_dict": {"type_map_all": model["type_map"], "shared_descriptor": model["descriptor"]},
+        "model_dict": {"one": copy.deepcopy(branch), "two": copy.deepcopy(branch)},
+    }
+    config["loss_dict"] = {"one": config["loss"], "two": config.pop("loss")}
+    training = config["training"]
+    data = {"training_data": training.pop("training_data"), "validation_data": training.pop("validation_data")}
+    training["model_prob"] = {"one": 1.0, "two": 1.0}
+    training["data_dict"] = {"one": data, "two": copy.deepcopy(data)}
+    run_dir, log = _run(workdir, "multi_task", config)
+    assert log.count(LOG_LINE) == 1, log[-3000:]
+    assert "model_dict" in log or "one" in log, log[-3000:]
+    optim = torch.load(run_dir / "model.ckpt-24.pt", map_location="cpu", weights_only=False)["optimizer"]
+    single = torch.load(first_run[0] / "model.ckpt-60.pt", map_location="cpu", weights_only=False)["optimizer"]
+    # A parameter has state once it has been stepped: the second branch's parameters (those the single-task model
+    # lacks) all have state, so both branches trained; and every state tensor is finite.
+    extra = len(optim["param_groups"][0]["params"]) - len(single["param_groups"][0]["params"])
+    assert extra > 0 and len(optim["state"]) - len(single["state"]) == extra, (extra, len(optim["state"]))
+    states = optim["state"].values()
+    assert all(torch.isfinite(v).all() for s in states for v in s.values() if isinstance(v, torch.Tensor))
