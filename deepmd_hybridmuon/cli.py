@@ -177,8 +177,6 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
     deepmd-kit's compat step lets the legacy value win, silently. Returns the error for a contradicting ``opt_type``
     (the run would train another optimizer than the section names) and a warning for each other key.
     """
-    from deepmd.utils import argcheck
-
     from .plugin import _plugin_registry
 
     section, training = jdata.get("optimizer", {}), jdata.get("training", {})
@@ -188,7 +186,7 @@ def _legacy_conflicts(jdata: dict[str, Any]) -> tuple[str | None, list[str]]:
             continue
         theirs, ours = _short(training[legacy]), _short(section[key])
         if legacy == "opt_type":
-            known = [name for name, *_ in _plugin_registry(argcheck)]  # a fix offers no misspelled name
+            known = [name for name, *_ in _plugin_registry()]  # a fix offers no misspelled name
             fixes = [f"remove training.opt_type to train with {ours}"] if section[key] in known else []
             if training[legacy] in known:
                 fixes.append(f"set optimizer.type to {theirs} and remove training.opt_type")

@@ -82,7 +82,9 @@ def check_deepmd_version(installed: str | None = None) -> str:
 # ------------------------------------------------------------------------------ schema
 
 
-def _plugin_registry(argcheck: Any) -> dict[tuple[str, Any, str], Callable[..., Any]]:
+def _plugin_registry() -> dict[tuple[str, Any, str], Callable[..., Any]]:
+    from deepmd.utils import argcheck
+
     try:
         return argcheck.opt_args_plugin._ArgsPlugin__plugin.plugins
     except AttributeError as err:
@@ -98,9 +100,7 @@ def register_schema() -> None:
     The registry is a dict keyed by ``(name, alias, doc)``: a second ``HybridMuon`` key would make dargs fail with a
     duplicate, so the built-in key is swapped in place (keeping the order of the optimizer variants). Idempotent.
     """
-    from deepmd.utils import argcheck
-
-    registry = _plugin_registry(argcheck)
+    registry = _plugin_registry()
     if any(func is hybrid_muon_arguments for func in registry.values()):
         return
     items = list(registry.items())
