@@ -360,6 +360,22 @@ def make_example_data(root: Path, ntrain: int, nvalid: int) -> Path:
     return out
 
 
+def multi_task_input(config: dict) -> dict:
+    """A single-task input as a two-branch multi-task one: type_map and descriptor in shared_dict, a fitting each."""
+    model = config.pop("model")
+    branch = {"type_map": "type_map_all", "descriptor": "shared_descriptor", "fitting_net": model["fitting_net"]}
+    config["model"] = {
+        "shared_dict": {"type_map_all": model["type_map"], "shared_descriptor": model["descriptor"]},
+        "model_dict": {"one": copy.deepcopy(branch), "two": copy.deepcopy(branch)},
+    }
+    config["loss_dict"] = {"one": config["loss"], "two": config.pop("loss")}
+    training = config["training"]
+    data = {"training_data": training.pop("training_data"), "validation_data": training.pop("validation_data")}
+    training["model_prob"] = {"one": 1.0, "two": 1.0}
+    training["data_dict"] = {"one": data, "two": copy.deepcopy(data)}
+    return config
+
+
 def run_dp(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
     """Run ``python -m deepmd *args`` in ``cwd``; assert it succeeds and return its log."""
     proc = subprocess.run(

@@ -3,7 +3,6 @@ the `dp` command with `check` added and every other command as deepmd-kit's."""
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import multi_task_input
 
 from deepmd_hybridmuon.cli import (
     ADAM_LR_BELOW,
@@ -602,20 +602,8 @@ def test_add_dp_check_is_idempotent_and_leaves_other_module_classes_alone(caplog
 
 
 def _multi_task(config: dict | None = None) -> dict:
-    """The example as a two-branch multi-task input: type_map and descriptor in shared_dict, one fitting each."""
-    config = config or _example()
-    model = config.pop("model")
-    branch = {"type_map": "type_map_all", "descriptor": "shared_descriptor", "fitting_net": model["fitting_net"]}
-    config["model"] = {
-        "shared_dict": {"type_map_all": model["type_map"], "shared_descriptor": model["descriptor"]},
-        "model_dict": {"one": copy.deepcopy(branch), "two": copy.deepcopy(branch)},
-    }
-    config["loss_dict"] = {"one": config["loss"], "two": config.pop("loss")}
-    training = config["training"]
-    data = {"training_data": training.pop("training_data"), "validation_data": training.pop("validation_data")}
-    training["model_prob"] = {"one": 1.0, "two": 1.0}
-    training["data_dict"] = {"one": data, "two": copy.deepcopy(data)}
-    return config
+    """The example as a two-branch multi-task input (conftest.multi_task_input)."""
+    return multi_task_input(config or _example())
 
 
 def _nested(levels: int) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLES, make_example_data
+from conftest import EXAMPLES, make_example_data, multi_task_input
 from conftest import OURS_LOG_LINE as LOG_LINE
 from conftest import read_lcurve as _lcurve
 from conftest import run_dp as _dp
@@ -213,18 +213,7 @@ def test_a_checkpoint_without_a_later_option_resumes_with_its_state(workdir, fir
 def test_multi_task_branches_take_turns_and_each_trains(workdir, first_run):
     """A two-branch multi-task input (one shared descriptor): each batch trains one branch, whose fitting net moves,
     while the other's keeps its values and optimizer state (tests/test_flat_engine.py checks that bit for bit)."""
-    config = _input(workdir, 24)
-    model = config.pop("model")
-    branch = {"type_map": "type_map_all", "descriptor": "shared_descriptor", "fitting_net": model["fitting_net"]}
-    config["model"] = {
-        "shared_dict": {"type_map_all": model["type_map"], "shared_descriptor": model["descriptor"]},
-        "model_dict": {"one": copy.deepcopy(branch), "two": copy.deepcopy(branch)},
-    }
-    config["loss_dict"] = {"one": config["loss"], "two": config.pop("loss")}
-    training = config["training"]
-    data = {"training_data": training.pop("training_data"), "validation_data": training.pop("validation_data")}
-    training["model_prob"] = {"one": 1.0, "two": 1.0}
-    training["data_dict"] = {"one": data, "two": copy.deepcopy(data)}
+    config = multi_task_input(_input(workdir, 24))
     run_dir, log = _run(workdir, "multi_task", config)
     assert log.count(LOG_LINE) == 1, log[-3000:]
     assert "model_dict" in log or "one" in log, log[-3000:]
