@@ -224,8 +224,7 @@ class BatchedStep:
         sums, self.sums = self.sums, None
         if sums is None:
             return None
-        if self.masked:  # the score of a matrix without a gradient stays
-            ok = self.block_present if ok is None else ok * self.block_present
+        ok = self._with_mask(ok, self.block_present if self.masked else None)  # a matrix without a gradient: kept
         if isinstance(sums, torch.Tensor):  # over segments
             return F.magma_damp(self.layout.scores, sums, ok)
         return F.magma_scale_(self.layout.scores, F.magma_score(*sums), ok)
@@ -234,20 +233,20 @@ class BatchedStep:
         """``p <- p * decay + update``, the decays gated, once the torch stacks have written their updates."""
         L = self.layout
         self.lane.join()
-        if L.weight_decay:  # decay: Muon's, AdamW's, or none for Adam
+        if L.weight_decay:  # decay: Muon's, AdamW's, or none for Adam; 1 for a parameter without a gradient
             adamw, muon = (
                 (self.adam_present.index_select(0, L.adamw_ids), self.muon_present) if self.masked else [None] * 2
             )
-            if L.adamw:
-                self._decay(L.adamw, F.gate_factor(self.adamw_decay, ok, L.dtype), adamw)
-            if L.muon:
-                self._decay([p for p, _ in L.muon], F.gate_factor(self.muon_decay, ok, L.dtype), muon)
+            for params, decay, mask in (
+                (L.adamw, self.adamw_decay, adamw),
+                ([p for p, _ in L.muon], self.muon_decay, muon),
+            ):
+                if params:
+                    factor = F.gate_factor(decay, self._with_mask(ok, mask), L.dtype)  # one per parameter with a mask
+                    torch._foreach_mul_(params, factor if mask is None else list(factor.unbind(0)))
         torch._foreach_add_(L.staged, L.grad_views)  # a parameter without a gradient adds a zero update
 
     @staticmethod
-    def _decay(params: list[torch.Tensor], factor: torch.Tensor, present: torch.Tensor | None) -> None:
-        """``params`` times ``factor``; with ``present`` (masked steps) each by its own, 1 without a gradient."""
-        if present is None:
-            torch._foreach_mul_(params, factor)
-        else:
-            torch._foreach_mul_(params, list(torch.where(present > 0, factor, 1.0).to(factor.dtype).unbind(0)))
+    def _with_mask(ok: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The finite gate ``ok`` (``None``: the step is taken) combined with a masked step's 0/1 ``mask``."""
+        return ok if mask is None else (mask if ok is None else ok * mask)

@@ -120,7 +120,9 @@ class GroupEngine:
         ``state`` is the optimizer's. A momentum keeps its dtype in the loop when its parameter's data takes
         another (``p.data = p.data.double()`` after steps); the engine's flat momentum has the parameters' dtype.
         """
-        params = [p for p in group["params"] if p.numel() > 0 and (p.grad is not None or state.get(p))]
+        params = [
+            p for p in group["params"] if p.numel() > 0 and (p.grad is not None or (p.requires_grad and state.get(p)))
+        ]
         if not params:
             return False
         first = params[0]
@@ -149,10 +151,10 @@ class GroupEngine:
         L = self.layout
         local = [local_shard(p) for p in L.keys] if self.sharded else L.keys  # the tensors the step writes, as now
         return all(
-            (p.grad is not None or (p.requires_grad and not self.sharded)) and t.data_ptr() == ptr and t.shape == shape
-            for p, t, ptr, shape in zip(L.keys, local, L.storage, L.shapes, strict=True)
+            t.data_ptr() == ptr and t.shape == shape for t, ptr, shape in zip(local, L.storage, L.shapes, strict=True)
         ) and (
-            all(p.grad is None for p in self.gradless)
+            all(self._holds(p, route, state) for p, route in self.active)  # each still held, none frozen
+            and all(p.grad is None for p in self.gradless)
             and all(map(operator.is_, map(state.get, L.keys), self.entries))
             and all(map(operator.is_, starmap(dict.get, self.held), self.held_tensors))
         )
