@@ -106,9 +106,10 @@ class BatchedStep:
         s = self.settings = F.GroupSettings.of(group)  # read again by subclasses' phases (FSDP2's owners)
         neg_steps, bc2 = [], []
         for st, stepped in zip(self.layout.adam_states, present, strict=False):  # the Adam parameters come first
+            neg_step, divisor = 0.0, 1.0  # a parameter without a gradient: its powers are not read
             if stepped:
                 advance_powers(st, s)
-            neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
+                neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
             neg_steps.append(neg_step)
             bc2.append(divisor)
         param_dtype = [s.muon_decay, -s.lr, s.adamw_decay]  # PARAM_DTYPE_SCALARS
@@ -156,9 +157,10 @@ class BatchedStep:
         neg_step, bc2, *present = per_param.index_select(1, L.adam_owner)  # each parameter's numbers, one gather
         weights, grads = adam[:2] if ok is None else ok * adam[:2], F.sanitize(L.adam_grad.to(torch.float32), ok)
         step_size = neg_step if ok is None else neg_step * ok
-        if present:  # a parameter without a gradient: neither its moments nor the parameter move
-            weights, step_size = weights.view(2, 1) * present[0], step_size * present[0]
-        L.adam_grad.copy_(F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size))
+        if present:  # a parameter without a gradient: its moments keep their values (a zero weight), its update is 0
+            weights = weights.view(2, 1) * present[0]
+        increment = F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size)
+        L.adam_grad.copy_(torch.where(present[0] > 0, increment, 0) if present else increment)
 
     def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Momentum, Magma's sums, and the Nesterov update in place of the gradients; the torch buckets start.
@@ -172,7 +174,11 @@ class BatchedStep:
         L = self.layout
         grads = F.sanitize(L.muon_grad, ok, out=L.muon_grad)  # the engine's own copy: zeroed in place
         momentum = self.inputs.scalars[PARAM_DTYPE_SCALARS]
-        F.momentum_(L.momentum, grads, momentum, ok)
+        stepped = None  # masked: per element, 1.0 for a matrix with a gradient, 0.0 without (its momentum is kept)
+        if self.masked:
+            present = self.muon_present.to(L.dtype)
+            stepped = torch.cat([m.expand(n) for m, (_, n, _) in zip(present, L.muon_rows, strict=True)])
+        F.momentum_(L.momentum, grads, momentum, self._with_mask(ok, stepped))
         if self.segments is not None:
             self.sums = F.magma_segment_sums(L.momentum, grads, self.segments)
         elif L.magma:  # each block summed on its own, whatever the others' scale (as the loop takes them)
