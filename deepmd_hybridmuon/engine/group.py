@@ -171,6 +171,16 @@ class GroupEngine:
             and all(map(operator.is_, starmap(dict.get, self.held), self.held_tensors))
         )
 
+    def release(self) -> None:
+        """As the engine goes: each state tensor it put into the optimizer's state, still there, gets its own storage.
+
+        They are views of the flat buffers: one of a parameter the next engine leaves out (frozen, say) would keep
+        this engine's buffers alive, whole, as long as the state lives.
+        """
+        for (entry, key), tensor in zip(self.held, self.held_tensors, strict=True):
+            if entry.get(key) is tensor:
+                entry[key] = tensor.clone()
+
     @property
     def outdated(self) -> bool:
         """Built with the torch path while Triton compiled, and the kernels are ready now."""
