@@ -72,11 +72,12 @@ class BatchedStep:
 
     ``shared_gate``: the finite gate comes in through ``inputs.ok`` (agreed across ranks)
     instead of being computed from this step's gradients. ``masked``: some parameters of the layout may have no
-    gradient in a step (multi-task models train one branch at a time); they keep their values and state, as the
-    loop leaves them, through masks read from ``inputs`` (:meth:`scalars`'s ``present``). Their slots of the flat
-    buffer must hold finite numbers, and each Muon parameter's its momentum (``GroupEngine.step`` copies it there),
-    so that the momentum's blend leaves it as it is. Their update is a zero, which turns an element of -0.0 into
-    +0.0 (the same number).
+    gradient in a step (multi-task models train one branch at a time); they take no part in the step, as in the
+    loop, through masks read from ``inputs`` (:meth:`scalars`'s ``present``): their slots of the flat buffer hold
+    zeros (``GroupEngine.step`` writes them), which is all the finite gate reads of them; their Adam powers are
+    not read; their moments and momentum blend with a zero weight; what their state could make of a ratio
+    (Adam's update) is selected away, never multiplied by 0. Their update is a zero, which turns an element of
+    -0.0 into +0.0 (the same number).
     """
 
     def __init__(self, layout: Layout, inputs: StepInputs, shared_gate: bool, masked: bool = False) -> None:

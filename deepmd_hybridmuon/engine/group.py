@@ -25,10 +25,9 @@ class GroupEngine:
     Parameters
     ----------
     group
-        The param_group. Empty parameters are left out, and so are those without a gradient, unless they are
-        trainable, have their route's state (they were stepped before: a multi-task model's other branches) and are
-        not FSDP2's shards; a step leaves those without a gradient as they are. The engine holds as long as
-        :meth:`matches` says so.
+        The param_group. Empty parameters are left out, and so are those without a gradient, unless holding them
+        changes nothing (:meth:`_holds`: a multi-task model's other branches); a step leaves those without a gradient
+        as they are. The engine holds as long as :meth:`matches` says so.
     routes
         The route of every parameter of ``group["params"]``, in order.
     state
