@@ -91,6 +91,8 @@ class BatchedStep:
         self.settings: F.GroupSettings | None = None  # the last step's (scalars)
         self.sums: Any = None  # Magma's sums of this step (before_orthogonalize), or None
         self.stacks: list[torch.Tensor] = []  # the torch buckets' orthogonalised stacks of this step
+        if masked:  # the elements of each Muon parameter, to spread its mask over them
+            self.muon_numels = torch.tensor([n for _, n, _ in layout.muon_rows], device=layout.device)
 
     #: step.run: a taken step on the CPU runs without the gating arithmetic.
     ungated = True
@@ -176,9 +178,8 @@ class BatchedStep:
         grads = F.sanitize(L.muon_grad, ok, out=L.muon_grad)  # the engine's own copy: zeroed in place
         momentum = self.inputs.scalars[PARAM_DTYPE_SCALARS]
         stepped = None  # masked: per element, 1.0 for a matrix with a gradient, 0.0 without (its momentum is kept)
-        if self.masked:
-            present = self.muon_present.to(L.dtype)
-            stepped = torch.cat([m.expand(n) for m, (_, n, _) in zip(present, L.muon_rows, strict=True)])
+        if self.masked:  # a few kernels whatever the number of matrices (output_size: no wait for the device)
+            stepped = self.muon_present.to(L.dtype).repeat_interleave(self.muon_numels, output_size=L.momentum.numel())
         F.momentum_(L.momentum, grads, momentum, self._with_mask(ok, stepped))
         if self.segments is not None:
             self.sums = F.magma_segment_sums(L.momentum, grads, self.segments)
