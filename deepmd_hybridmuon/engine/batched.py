@@ -209,10 +209,9 @@ class BatchedStep:
         L, K = self.layout, self.K
         neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(self.factor_dtype)
         damp = self._damp(ok)
-        factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
-        factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
-        if self.masked:  # a matrix without a gradient: no update
-            factor.mul_(self.block_present)
+        factor, value = L.block_factor, F.muon_factor(L.block_scale, damp, neg_lr)  # per block: scale x Magma x -lr
+        # a matrix without a gradient: no update (its factor selected away, whatever its number)
+        factor.copy_(torch.where(self.block_present > 0, value, 0) if self.masked else value)
         with self.lane():  # each stack, scaled by its blocks' factors, back into its matrices
             for b, out in zip(L.buckets, self.stacks, strict=True):
                 factors, start = factor.index_select(0, b.block_ids), 0
