@@ -506,7 +506,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def momentum_(buf: torch.Tensor, grad: torch.Tensor, momentum: float | torch.Tensor, ok: torch.Tensor | None) -> None:
-    """m <- beta m + (1 - beta) g in place (not when ``ok`` is 0).
+    """m <- beta m + (1 - beta) g in place (not where ``ok`` is 0: the gate, or one per element of ``buf``).
 
     The blend weight ``1 - beta`` is rounded to ``buf``'s dtype first, gated or not. ``momentum`` is a number, or a
     float64 0-dim tensor on ``buf``'s device (the flat engine's captured step reads it from the device).

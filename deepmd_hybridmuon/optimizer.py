@@ -593,7 +593,9 @@ class HybridMuonOptimizer(Optimizer):
         check_sizes(self.state, group["params"], self._describe)
         kernels_ready = engine is not None and engine.outdated
         # the old engine goes, its buffers, stacks and graphs before the new ones exist (its state lives on in
-        # self.state); also when the loop takes the step: execution_table reports a group's engine as what ran
+        # self.state, released); also when the loop takes the step: execution_table reports a group's engine as what ran
+        if engine is not None:
+            engine.release()
         self._runners.pop(index, None)
         del engine
         if use_loop:

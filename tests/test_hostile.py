@@ -664,3 +664,147 @@ def test_a_parameter_replaced_by_another_size_is_named_before_anything_changes(i
     del opt.state[w]  # what the message says to do
     opt.step()
     assert opt.state[w]["momentum_buffer"].shape == (5, 4)
+
+
+# --- the masked step and frozen parameters
+
+
+def _branch_steps(implementation: str, edit: Callable | None, **options) -> tuple[list[dict], list[bool]]:
+    """Two branches (a Muon matrix and an Adam bias each) step together once, ``edit`` changes the state, then branch
+    a steps twice alone (b's gradients None). The parameters after each lone step; whether b and its state stayed."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = (("a.w", (2, 6, 5)), ("a.bias", (5,)), ("b.w", (2, 6, 5)), ("b.bias", (5,)))
+    named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen))) for n, s in shapes]
+    opt = make_optimizer(
+        [p for _, p in named], implementation, lr=1e-2, weight_decay=0.01, muon_mode="slice", named_parameters=named,
+        **options,
+    )  # fmt: skip
+    for _, p in named:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    if edit is not None:
+        edit(opt.state, dict(named))
+    moved, kept = [], []
+    b = [p for n, p in named if n.startswith("b.")]
+    for _ in range(2):
+        for name, p in named:
+            p.grad = None if name.startswith("b.") else torch.randn(p.shape, generator=gen)
+        before = [(p.detach().clone(), {k: _copy(v) for k, v in opt.state[p].items()}) for p in b]
+        opt.step()
+        moved.append({n: p.detach().clone() for n, p in named})
+        same = [
+            torch.equal(p, v) and all(_same(s[k], opt.state[p][k]) for k in s)
+            for p, (v, s) in zip(b, before, strict=True)
+        ]
+        kept.append(all(same))
+    return moved, kept
+
+
+def _copy(value):
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def _set(name: str, **values) -> Callable[[dict, dict], None]:
+    """An edit of ``name``'s state: each key's new value, or a function of the old one."""
+
+    def edit(state: dict, params: dict) -> None:
+        entry = state[params[name]]
+        for key, value in values.items():
+            entry[key] = value(entry[key]) if callable(value) else value
+
+    return edit
+
+
+#: State of the branch without gradients, each value in state.STATE_RANGES, that the step must not read:
+#: (case, edit, options).
+UNREAD_STATE = [
+    ("beta1_pow-1", _set("b.bias", beta1_pow=1.0), {}),  # engine: ZeroDivisionError, a's powers advanced
+    ("exp_avg-9e18", _set("b.bias", exp_avg=lambda t: torch.full_like(t, 9e18), exp_avg_sq=torch.zeros_like), {}),
+    ("beta2_pow-1", _set("b.bias", beta2_pow=1.0, exp_avg_sq=torch.zeros_like), {}),  # engine: NaN in b.bias
+    (
+        "momentum-at-GRAD_LIMIT",
+        _set("b.w", momentum_buffer=lambda t: t.index_fill(0, torch.tensor(0), F.GRAD_LIMIT)),
+        {},
+    ),
+    ("adam-rate-1e19", None, {"lr_adjust": 1e-21}),  # the last step's Adam update, left in b's slot, reached the gate
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "options"), UNREAD_STATE, ids=[c[0] for c in UNREAD_STATE])
+def test_a_parameter_without_a_gradient_takes_no_part_in_the_step(case, edit, options):
+    """The engine's masked step leaves b alone, as the loop does: not in the gate, the powers or any ratio."""
+    engine, kept = _branch_steps("engine", edit, **options)
+    loop, kept_loop = _branch_steps("loop", edit, **options)
+    assert kept_loop == [True, True] and kept == [True, True]  # b and its state bit for bit
+    for step, (ours, ref) in enumerate(zip(engine, loop, strict=True)):
+        for name, value in ref.items():
+            assert torch.equal(ours[name], value), (step, name)  # the engine's CPU step is the loop's, bit for bit
+    assert not torch.equal(engine[0]["a.w"], engine[1]["a.w"])  # a stepped (not skipped)
+
+
+def _mode_changes(implementation: str) -> tuple[list[torch.Tensor], list[bool]]:
+    """Two Muon matrices of three dimensions step under "slice"; then under "flat", w without a gradient; then
+    under "slice" again. Their values and scores; whether w's scores stayed in the "flat" step."""
+    gen = torch.Generator().manual_seed(8)
+    w, v = (torch.nn.Parameter(torch.randn(2, 6, 5, generator=gen)) for _ in range(2))
+    opt = make_optimizer([w, v], implementation, lr=1e-2, magma_muon=True, muon_mode="slice")
+    kept = []
+    for mode, trained in (("slice", (w, v)), ("flat", (v,)), ("slice", (w, v))):
+        opt.param_groups[0]["muon_mode"] = mode
+        for p in (w, v):
+            p.grad = torch.randn(p.shape, generator=gen) if any(p is q for q in trained) else None
+        scores = opt.state[w]["magma_score"].clone() if w in opt.state else None
+        opt.step()
+        kept.append(scores is not None and torch.equal(opt.state[w]["magma_score"], scores))
+    return [w.detach(), v.detach(), opt.state[w]["magma_score"], opt.state[v]["magma_score"]], kept
+
+
+def test_muon_mode_changed_while_a_matrix_has_no_gradient_leaves_its_scores_alone():
+    """Magma's scores of a matrix without a gradient are not laid out again for another view: it takes no step."""
+    engine, kept = _mode_changes("engine")
+    loop, kept_loop = _mode_changes("loop")
+    assert kept_loop[1] and kept[1]  # w's two scores (one per matrix of its "slice" view) stay in the "flat" step
+    for ours, ref in zip(engine, loop, strict=True):
+        assert torch.equal(ours, ref)  # the engine's CPU step is the loop's, bit for bit
+
+
+def _state_bytes(opt: HybridMuonOptimizer) -> int:
+    """Bytes of the storages behind the optimizer's state tensors, each storage counted once."""
+    storages = {}
+    for entry in opt.state.values():
+        for value in entry.values():
+            if torch.is_tensor(value):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _frozen_one_at_a_time(implementation: str) -> tuple[HybridMuonOptimizer, list[torch.Tensor]]:
+    """Nine layers (a Muon matrix and an Adam bias each); after each step one more layer is frozen, eight in all."""
+    gen = torch.Generator().manual_seed(9)
+    layers = [(torch.randn(16, 16, generator=gen), torch.randn(16, generator=gen)) for _ in range(9)]
+    params = [torch.nn.Parameter(t) for layer in layers for t in layer]
+    named = [(f"layers.{i // 2}.{'bias' if i % 2 else 'weight'}", p) for i, p in enumerate(params)]
+    opt = make_optimizer(params, implementation, lr=1e-2, named_parameters=named)
+    for frozen in range(9):
+        for i, p in enumerate(params):
+            p.requires_grad_(i >= 2 * frozen)
+            p.grad = torch.randn(p.shape, generator=gen) if p.requires_grad else None
+        opt.step()
+    return opt, params
+
+
+def test_parameters_frozen_one_at_a_time_release_the_engines_buffers():
+    """A frozen layer's state is its own, not a view that keeps an earlier engine's flat buffers alive."""
+    engine, ours = _frozen_one_at_a_time("engine")
+    loop, ref = _frozen_one_at_a_time("loop")
+    # The loop's state: the moments and momenta themselves. The engine's: the frozen layers' the same, the trained
+    # layer's views of the flat buffers of the one engine alive, its size (5 times the loop's before the fix: the
+    # frozen layers' views kept each earlier engine's buffers); 1.2: room for buffers a later layout may pad.
+    assert _state_bytes(engine) <= 1.2 * _state_bytes(loop)
+    for p, q in zip(ours, ref, strict=True):
+        assert torch.equal(p, q)  # the engine's CPU step is the loop's, bit for bit

@@ -72,11 +72,12 @@ class BatchedStep:
 
     ``shared_gate``: the finite gate comes in through ``inputs.ok`` (agreed across ranks)
     instead of being computed from this step's gradients. ``masked``: some parameters of the layout may have no
-    gradient in a step (multi-task models train one branch at a time); they keep their values and state, as the
-    loop leaves them, through masks read from ``inputs`` (:meth:`scalars`'s ``present``). Their slots of the flat
-    buffer must hold finite numbers, and each Muon parameter's its momentum (``GroupEngine.step`` copies it there),
-    so that the momentum's blend leaves it as it is. Their update is a zero, which turns an element of -0.0 into
-    +0.0 (the same number).
+    gradient in a step (multi-task models train one branch at a time); they take no part in the step, as in the
+    loop, through masks read from ``inputs`` (:meth:`scalars`'s ``present``): their slots of the flat buffer hold
+    zeros (``GroupEngine.step`` writes them), which is all the finite gate reads of them; their Adam powers are
+    not read; their moments and momentum blend with a zero weight; what their state could make of a ratio
+    (Adam's update) is selected away, never multiplied by 0. Their update is a zero, which turns an element of
+    -0.0 into +0.0 (the same number).
     """
 
     def __init__(self, layout: Layout, inputs: StepInputs, shared_gate: bool, masked: bool = False) -> None:
@@ -90,6 +91,8 @@ class BatchedStep:
         self.settings: F.GroupSettings | None = None  # the last step's (scalars)
         self.sums: Any = None  # Magma's sums of this step (before_orthogonalize), or None
         self.stacks: list[torch.Tensor] = []  # the torch buckets' orthogonalised stacks of this step
+        if masked:  # the elements of each Muon parameter, to spread its mask over them
+            self.muon_numels = torch.tensor([n for _, n, _ in layout.muon_rows], device=layout.device)
 
     #: step.run: a taken step on the CPU runs without the gating arithmetic.
     ungated = True
@@ -106,9 +109,10 @@ class BatchedStep:
         s = self.settings = F.GroupSettings.of(group)  # read again by subclasses' phases (FSDP2's owners)
         neg_steps, bc2 = [], []
         for st, stepped in zip(self.layout.adam_states, present, strict=False):  # the Adam parameters come first
+            neg_step, divisor = 0.0, 1.0  # a parameter without a gradient: its powers are not read
             if stepped:
                 advance_powers(st, s)
-            neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
+                neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
             neg_steps.append(neg_step)
             bc2.append(divisor)
         param_dtype = [s.muon_decay, -s.lr, s.adamw_decay]  # PARAM_DTYPE_SCALARS
@@ -156,9 +160,10 @@ class BatchedStep:
         neg_step, bc2, *present = per_param.index_select(1, L.adam_owner)  # each parameter's numbers, one gather
         weights, grads = adam[:2] if ok is None else ok * adam[:2], F.sanitize(L.adam_grad.to(torch.float32), ok)
         step_size = neg_step if ok is None else neg_step * ok
-        if present:  # a parameter without a gradient: neither its moments nor the parameter move
-            weights, step_size = weights.view(2, 1) * present[0], step_size * present[0]
-        L.adam_grad.copy_(F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size))
+        if present:  # a parameter without a gradient: its moments keep their values (a zero weight), its update is 0
+            weights = weights.view(2, 1) * present[0]
+        increment = F.adam_increment_(L.exp_avg, L.exp_avg_sq, grads, weights, bc2, step_size)
+        L.adam_grad.copy_(torch.where(present[0] > 0, increment, 0) if present else increment)
 
     def before_orthogonalize(self, ok: torch.Tensor | None) -> None:
         """Momentum, Magma's sums, and the Nesterov update in place of the gradients; the torch buckets start.
@@ -172,7 +177,10 @@ class BatchedStep:
         L = self.layout
         grads = F.sanitize(L.muon_grad, ok, out=L.muon_grad)  # the engine's own copy: zeroed in place
         momentum = self.inputs.scalars[PARAM_DTYPE_SCALARS]
-        F.momentum_(L.momentum, grads, momentum, ok)
+        stepped = None  # masked: per element, 1.0 for a matrix with a gradient, 0.0 without (its momentum is kept)
+        if self.masked:  # a few kernels whatever the number of matrices (output_size: no wait for the device)
+            stepped = self.muon_present.to(L.dtype).repeat_interleave(self.muon_numels, output_size=L.momentum.numel())
+        F.momentum_(L.momentum, grads, momentum, self._with_mask(ok, stepped))
         if self.segments is not None:
             self.sums = F.magma_segment_sums(L.momentum, grads, self.segments)
         elif L.magma:  # each block summed on its own, whatever the others' scale (as the loop takes them)
@@ -201,10 +209,9 @@ class BatchedStep:
         L, K = self.layout, self.K
         neg_lr = self.neg_lr if ok is None else self.neg_lr * ok.to(self.factor_dtype)
         damp = self._damp(ok)
-        factor = L.block_factor  # per block: Muon scale x Magma multiplier x -lr
-        factor.copy_(F.muon_factor(L.block_scale, damp, neg_lr))
-        if self.masked:  # a matrix without a gradient: no update
-            factor.mul_(self.block_present)
+        factor, value = L.block_factor, F.muon_factor(L.block_scale, damp, neg_lr)  # per block: scale x Magma x -lr
+        # a matrix without a gradient: no update (its factor selected away, whatever its number)
+        factor.copy_(torch.where(self.block_present > 0, value, 0) if self.masked else value)
         with self.lane():  # each stack, scaled by its blocks' factors, back into its matrices
             for b, out in zip(L.buckets, self.stacks, strict=True):
                 factors, start = factor.index_select(0, b.block_ids), 0

@@ -25,10 +25,9 @@ class GroupEngine:
     Parameters
     ----------
     group
-        The param_group. Empty parameters are left out, and so are those without a gradient, unless they are
-        trainable, have their route's state (they were stepped before: a multi-task model's other branches) and are
-        not FSDP2's shards; a step leaves those without a gradient as they are. The engine holds as long as
-        :meth:`matches` says so.
+        The param_group. Empty parameters are left out, and so are those without a gradient, unless holding them
+        changes nothing (:meth:`_holds`: a multi-task model's other branches); a step leaves those without a gradient
+        as they are. The engine holds as long as :meth:`matches` says so.
     routes
         The route of every parameter of ``group["params"]``, in order.
     state
@@ -62,6 +61,7 @@ class GroupEngine:
         self.signature = signature
         self.group_params = list(group["params"])
         self.sharded = any(map(is_dtensor, self.group_params))  # FSDP2's DTensors: the step writes their local shards
+        self.magma = bool(group["magma_muon"])
         nonempty = [(p, r) for p, r in zip(self.group_params, routes, strict=True) if p.numel() > 0]
         active = [(p, r) for p, r in nonempty if self._holds(p, r, state)]
         self.gradless = [p for p, r in nonempty if not self._holds(p, r, state)]
@@ -81,13 +81,24 @@ class GroupEngine:
         self.ran = self.executor  # the executor of the last step
 
     def _holds(self, p: torch.Tensor, route: F.ParamRoute, state: dict) -> bool:
-        """Whether the engine holds ``p``: it has a gradient, or it is trainable, no shard, and has its route's state.
+        """Whether the engine holds ``p``: it has a gradient, or holding it leaves it as the loop does.
 
-        A frozen parameter (``requires_grad`` off) with state from earlier steps is left out: it would cost a
-        masked step, and its Newton-Schulz, at every step.
+        A parameter without a gradient takes no part in the step (the loop does not see it): the engine holds it,
+        masked, only when it is trainable, no shard, and its state is the layout's as it stands: its route's, of its
+        shape, and with Magma one score per matrix of its view (after a change of ``muon_mode`` the loop lays the
+        scores out again at its next step, not before). A frozen parameter (``requires_grad`` off) is left out: it
+        would cost a masked step, and its Newton-Schulz, at every step.
         """
-        key = "momentum_buffer" if route.route == "muon" else "exp_avg"
-        return p.grad is not None or (p.requires_grad and not self.sharded and key in state.get(p, ()))
+        if p.grad is not None:
+            return True
+        entry = state.get(p, {})
+        value, score = entry.get("momentum_buffer" if route.route == "muon" else "exp_avg"), entry.get("magma_score")
+        return (
+            p.requires_grad
+            and not self.sharded
+            and getattr(value, "shape", None) == p.shape
+            and (route.route != "muon" or not self.magma or getattr(score, "shape", None) == (route.view[0],))
+        )
 
     def _batched(self, group: dict[str, Any], inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
         """The step on :attr:`layout`'s buffers."""
@@ -159,6 +170,16 @@ class GroupEngine:
             and all(map(operator.is_, starmap(dict.get, self.held), self.held_tensors))
         )
 
+    def release(self) -> None:
+        """As the engine goes: each state tensor it put into the optimizer's state, still there, gets its own storage.
+
+        They are views of the flat buffers: one of a parameter the next engine leaves out (frozen, say) would keep
+        this engine's buffers alive, whole, as long as the state lives.
+        """
+        for (entry, key), tensor in zip(self.held, self.held_tensors, strict=True):
+            if entry.get(key) is tensor:
+                entry[key] = tensor.clone()
+
     @property
     def outdated(self) -> bool:
         """Built with the torch path while Triton compiled, and the kernels are ready now."""
@@ -186,13 +207,10 @@ class GroupEngine:
                 masked = BatchedStep(L, StepInputs(L, masked=True), self.shared_gate, masked=True)
                 self.masked = (masked, Executor(masked, self.executor.use_graph))
             step, executor = self.masked
-            # each gradient in its place; a Muon parameter without one: its momentum (BatchedStep's masked step)
-            pairs = [
-                (view, entry["momentum_buffer"] if p.grad is None else p.grad)
-                for p, view, entry in zip(L.keys, L.grad_views, self.entries, strict=True)
-                if p.grad is not None or "momentum_buffer" in entry
-            ]
+            # each gradient in its place; a parameter without one: zeros (BatchedStep's masked step)
+            pairs = [(v, p.grad) for p, v in zip(L.keys, L.grad_views, strict=True) if p.grad is not None]
             views, grads = [v for v, _ in pairs], [g for _, g in pairs]
+            torch._foreach_zero_([v for p, v in zip(L.keys, L.grad_views, strict=True) if p.grad is None])
         executor.stage(step.scalars(group, present), views, grads, shared)
         self.ran = executor
         executor.run()
