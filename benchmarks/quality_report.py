@@ -86,7 +86,7 @@ def _reach_cell(rs: list[dict[str, Any]], force: str, target: float) -> str:
         return ""
     hits = [(steps_to(r["lcurve"], force, target), r.get("s_per_batch")) for r in tried]
     hits = [(n, spb) for n, spb in hits if n is not None]
-    count = "" if len(hits) == len(tried) else f" [{len(hits)}/{len(tried)} runs]"
+    count = "" if len(hits) == len(tried) else f" (reached in {len(hits)} of {len(tried)} runs)"
     if not hits:
         return f"not reached{count}"
     steps = statistics.fmean(n for n, _ in hits)
