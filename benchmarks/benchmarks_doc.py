@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The tables of BENCHMARKS.md, generated from ``benchmarks/results/*.json``.
+"""The tables of BENCHMARKS.md, generated from ``benchmarks/results/<question>/``.
 
 Each table sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in BENCHMARKS.md,
 followed inside the block by the machine, date, commit and command of every results file it reads
@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOC = HERE.parent / "BENCHMARKS.md"
 sys.path.insert(0, str(HERE))
-import quality_report as quality  # noqa: E402
+import train_quality as quality  # noqa: E402
 
 TIMES, DASH = "\N{MULTIPLICATION SIGN}", "\N{EN DASH}"
 #: Column heads of the ratios, all of them ours' time as a multiple of the other's.
@@ -111,10 +111,6 @@ def mean(xs: list[float]) -> float:
 def ratio(a: float | None, b: float | None) -> str:
     """``a``'s time as a multiple of ``b``'s: every ratio of these tables is ours' time over the other's."""
     return "" if not (a and b) else f"{a / b:.2f}{TIMES}" if a / b >= 0.1 else f"{a / b:.3f}{TIMES}"
-
-
-def f4(x: float | None) -> str:
-    return f"{x:.4f}" if x is not None else "not run"
 
 
 # ------------------------------------------------------------------------------- end to end
@@ -429,8 +425,6 @@ def scaling() -> str:
 
 #: The step table's run: ours, the built-in and AdamW in one process, at the code that made these documents.
 STEP = "step_time_h100_2026-11-27.json"
-#: Runs of the same step code (ours and AdamW) on other H100 machines that day: how much the numbers move.
-STEP_RUNS = [STEP, *(f"step_time_h100_2026-11-27_{k}.json" for k in ("a1", "a2", "b1", "b2", "c1", "c2"))]
 
 
 def step_medians(name: str, config: str) -> dict[str, float]:
@@ -625,10 +619,8 @@ MEMORY_VARIANTS = {
 
 
 def memory_files() -> list[str]:
-    """The results files of ``benchmarks/memory.py`` measured on CUDA (a CPU run records no memory), oldest first."""
-    names = [p.name for p in RESULTS.glob("memory/memory_*.json")]
-    cuda = [n for n in names if str((load(n).get("environment") or {}).get("device", "")).startswith("cuda")]
-    return sorted(cuda, key=lambda n: source(n)["date"])
+    """The results files of ``memory.py`` (GPU runs), oldest first: a later file's row replaces an earlier one's."""
+    return sorted((p.name for p in RESULTS.glob("memory/*.json")), key=lambda n: source(n)["date"])
 
 
 def _mib(x: float | None) -> str:
@@ -643,11 +635,6 @@ def _times(a: float | None, b: float | None) -> str:
 def memory() -> str:
     """The memory an optimizer holds (the optimizer alone), and the peak of whole ``dp --pt train`` runs."""
     names = memory_files()
-    if not names:
-        return (
-            "No results yet: `python benchmarks/memory.py` on a GPU writes "
-            "`benchmarks/results/memory_<gpu>_<date>.json`."
-        )
     rows: dict[tuple[str, str], list[str]] = {}  # (model, variant): the latest measurement only
     train_rows: dict[tuple[str, str], list[str]] = {}  # likewise
     # AdamW per model, from the latest file that measured it
@@ -708,9 +695,6 @@ def memory() -> str:
     return text + "\n\n" + sources(names)
 
 
-#: Blocks that BENCHMARKS.md need not have yet (their measurement has no results there): rendered where it has them.
-OPTIONAL_BLOCKS = {"memory"}
-
 BLOCKS = {
     "end-to-end": end_to_end,
     "time-to-accuracy": time_to_accuracy,
@@ -731,8 +715,6 @@ def render(text: str) -> str:
     for name, make in BLOCKS.items():
         pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
         if not pattern.search(text):
-            if name in OPTIONAL_BLOCKS:
-                continue
             raise SystemExit(f"BENCHMARKS.md has no block {name}")
         text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
     return text
