@@ -79,15 +79,18 @@ def source(name: str) -> dict[str, str]:
     return {**own, **extra, **provenance().get(name, {})}
 
 
-def sources(names: list[str]) -> str:
+def sources(names: list[str], above: list[str] | tuple[str, ...] = ()) -> str:
+    """The list of results files under a table; those of ``above`` (an earlier table's) by their names only."""
     lines = []
-    for name in names:
+    for name in (n for n in names if n not in above):
         s, where = source(name), path(name).relative_to(RESULTS)
         lines.append(
             f"- `{where}`: {s['machine']}, {s['date']}, commit {s['commit']}: `{s['command']}`"
             + (f" ({s['note']})" if s.get("note") else "")
             + (f" (transcribed from {data_from})" if (data_from := s.get("transcribed_from")) else "")
         )
+    if again := [f"`{path(n).relative_to(RESULTS)}`" for n in names if n in above]:
+        lines.append(f"- {', '.join(again)}: listed above")
     return "Sources:\n" + "\n".join(lines)
 
 
@@ -203,7 +206,7 @@ def time_to_accuracy() -> str:
             best = _best(runs, force, opt)
             cells.append(f"{quality._reach_cell(best[1], force, value)} at {best[1][0]['start_lr']:g}" if best else "")
         rows.append(cells)
-    head = ["model", "steps run", "target: the best Adam or AdamW rate's final val force error"]
+    head = ["model", "steps run", "target: the best Adam or AdamW rate's final validation force error"]
     head += ["ours: steps to the target (s)", "built-in", "Adam or AdamW"]
     return table(head, rows, right=3) + "\n\n" + sources(QUALITY)
 
@@ -230,7 +233,14 @@ def learning_rate() -> str:
                     quality._mean_sd(tests, 1e3, "{:.1f}") if tests else "",
                 ]
             )
-    head = ["model", "optimizer", "start_lr", "complete runs", "final val force error (meV/Å)", "test force RMSE"]
+    head = [
+        "model",
+        "optimizer",
+        "start_lr",
+        "complete runs",
+        "final validation force error (meV/Å)",
+        "test force RMSE",
+    ]
     return table(head, rows, right=2)  # its sources are the table's above
 
 
@@ -336,7 +346,7 @@ def several_gpus_summary() -> str:
                 f"{min(longer):.2f}{DASH}{max(longer):.2f}{TIMES}",
             ]
         )
-    head = ["model", "GPUs", "zero_stage", "pairs (GPU)", f"ours {TIMES} AdamW's s/batch, geometric mean"]
+    head = ["model", "GPUs", "zero_stage", "pairs per call (GPU)", f"ours {TIMES} AdamW's s/batch, geometric mean"]
     head += ["each pair", f"step: ours {TIMES} AdamW's, the longer timing"]
     return table(head, rows, right=4) + "\n\n" + sources([name for name, _, _ in PAIRS])
 
@@ -417,7 +427,8 @@ def scaling() -> str:
         rows.append([model, str(gpus), STAGE[stage] if gpus > 1 else "one process", *cells])
     head = ["GPU", "GPUs", "zero_stage", "ours s/batch (each round)", "AdamW", "built-in"]
     head += ["efficiency: ours", "AdamW", "built-in"]
-    return table(head, rows, right=3) + "\n\n" + sources([name for name, _ in SCALING])
+    pairs = [name for name, _, _ in PAIRS]
+    return table(head, rows, right=3) + "\n\n" + sources([name for name, _ in SCALING], above=pairs)
 
 
 # ---------------------------------------------------------------------------- the step alone
@@ -517,7 +528,7 @@ CPU_QUALITY = "quality_se_e2_a_water_adam3_h200_2026-11-27.json"
 
 
 def cpu_time_to_accuracy_rows() -> list[tuple[str, float, float, float, float]]:
-    """(label, start_lr, steps to AdamW's final val force error, CPU s/batch at 2 threads, CPU s) of ours and AdamW."""
+    """(optimizer, start_lr, steps to Adam's final validation force error, CPU s/batch at 2 threads, CPU s)."""
     runs, force, _kind, (adam_label, target, _n) = _quality(CPU_QUALITY)
     speed = {v: mean([r[v] for _, r in _cpu_runs("train")[("se_e2_a_water", 2)]]) for v in ("ours", "adamw")}
     rows = []
@@ -543,9 +554,9 @@ def cpu_time_to_accuracy() -> str:
         "CPU s/batch (AdamW's for Adam)",
         "CPU s",
     ]
-    names = [CPU_QUALITY, *sorted({n for n, _ in _cpu_runs("train")[("se_e2_a_water", 2)]})]
-    note = f"ours: {ratio(ours, adamw)} Adam's time to Adam's final error"
-    return table(head, rows, right=1) + "\n\n" + note + "\n\n" + sources(names)
+    cpu_runs = sorted({n for n, _ in _cpu_runs("train")[("se_e2_a_water", 2)]})
+    note = f"ours: {ratio(ours, adamw)} Adam's time to Adam's final error (steps from learning curves of GPU runs)"
+    return table(head, rows, right=1) + "\n\n" + note + "\n\n" + sources([CPU_QUALITY, *cpu_runs], above=cpu_runs)
 
 
 # ------------------------------------------------------------------------------- cold start
