@@ -37,7 +37,10 @@ def test_every_results_file_is_cited():
     text = (ROOT / "BENCHMARKS.md").read_text() + (ROOT / "README.md").read_text()
     named = set(re.findall(r"[\w.-]+\.(?:json|md|txt|png)", text))
     patterns = [re.escape(p).replace(r"\*", r"[\w.-]*") for p in re.findall(r"[\w.-]*\*[\w.-]*\.\w+", text)]
-    for path in (ROOT / "benchmarks" / "results").glob("*/*"):
+    results = ROOT / "benchmarks" / "results"
+    loose = [p.name for p in results.iterdir() if p.is_file() and p.name != "provenance.json"]
+    assert not loose, f"results files outside a question's folder: {loose}"
+    for path in results.glob("*/*"):
         if path.name not in named and not any(re.fullmatch(p, path.name) for p in patterns):
             raise AssertionError(f"{path.relative_to(ROOT)} is cited by neither BENCHMARKS.md nor README.md")
 
