@@ -107,8 +107,7 @@ def commit(name: str) -> str:
     return c.split()[0] if re.fullmatch(r"[0-9a-f]{7,40}", c.split()[0]) else c
 
 
-def mean(xs: list[float]) -> float:
-    return statistics.fmean(xs)
+mean = statistics.fmean
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -443,34 +442,16 @@ def step_medians(name: str, config: str) -> dict[str, float]:
     return {r["variant"]: r["median_ms"] for r in load(name)["configs"][config]["results"] if r.get("ok")}
 
 
-def step_rows() -> list[list[Any]]:
-    """(model, ours, adamw, builtin) median ms of the optimizer step alone."""
-    rows = []
-    for config in load(STEP)["configs"]:
-        med = step_medians(STEP, config)
-        rows.append([config, med["ours"], med["adamw"], med["builtin"]])
-    return rows
-
-
 def _ms(x: float) -> str:
     return f"{x:.3f}" if x < 1 else f"{x:.3g}" if x < 10 else f"{x:.1f}"
 
 
 def step_alone() -> str:
-    rows = []
-    s = source(STEP)
-    for config, ours, adamw, builtin in step_rows():
-        rows.append(
-            [
-                MODEL[config],
-                f"{s['date'][:10]}, {commit(STEP)}",
-                _ms(ours),
-                _ms(adamw),
-                _ms(builtin),
-                ratio(ours, adamw),
-                ratio(ours, builtin),
-            ]
-        )
+    when, rows = f"{source(STEP)['date'][:10]}, {commit(STEP)}", []
+    for config in load(STEP)["configs"]:
+        ms = step_medians(STEP, config)
+        cells = [_ms(ms[v]) for v in ("ours", "adamw", "builtin")]
+        rows.append([MODEL[config], when, *cells, ratio(ms["ours"], ms["adamw"]), ratio(ms["ours"], ms["builtin"])])
     head = ["model", "date, commit", "ours median ms", "AdamW", "built-in", VS_ADAMW, VS_BUILTIN]
     return table(head, rows, right=2) + "\n\n" + sources([STEP])
 
