@@ -572,8 +572,10 @@ def plot_config(
 
     ``ymax`` (meV): the upper limit of both panels, so that a diverged run does not flatten the rest.
     """
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("train_quality.py report draws with matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
