@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The tables of BENCHMARKS.md, generated from ``benchmarks/results/*.json``.
+"""The tables of BENCHMARKS.md, generated from ``benchmarks/results/<question>/``.
 
 Each table sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` in BENCHMARKS.md,
 followed inside the block by the machine, date, commit and command of every results file it reads
@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOC = HERE.parent / "BENCHMARKS.md"
 sys.path.insert(0, str(HERE))
-import quality_report as quality  # noqa: E402
+import train_quality as quality  # noqa: E402
 
 TIMES, DASH = "\N{MULTIPLICATION SIGN}", "\N{EN DASH}"
 #: Column heads of the ratios, all of them ours' time as a multiple of the other's.
@@ -43,9 +43,24 @@ MODEL = {
 
 
 @functools.cache
+def path(name: str) -> Path:
+    """Where a results file lies: ``results/<question>/<name>``, its name unique across the folders."""
+    found = list(RESULTS.glob(f"*/{name}"))
+    if len(found) != 1:
+        raise SystemExit(f"results file {name}: {len(found)} found under {RESULTS}, expected one")
+    return found[0]
+
+
+@functools.cache
 def load(name: str) -> dict[str, Any]:
     """A results file, read once (the tables read some files for every model): not to be changed."""
-    return json.loads((RESULTS / name).read_text())
+    return json.loads(path(name).read_text())
+
+
+@functools.cache
+def provenance() -> dict[str, dict[str, str]]:
+    """``results/provenance.json``: what a results file does not record itself, by file name."""
+    return json.loads((RESULTS / "provenance.json").read_text())
 
 
 def run_spb(name: str) -> float:
@@ -61,19 +76,22 @@ def source(name: str) -> dict[str, str]:
     own = {k: v for k, v in own.items() if isinstance(v, str)}
     own.update({k: data[k] for k in ("machine", "date", "commit", "command") if isinstance(data.get(k), str)})
     extra = {k: data[k] for k in ("transcribed_from",) if k in data}
-    return {**own, **extra, **load("provenance.json").get(name, {})}
+    return {**own, **extra, **provenance().get(name, {})}
 
 
-def sources(names: list[str]) -> str:
+def sources(names: list[str], above: list[str] | tuple[str, ...] = ()) -> str:
+    """The list of results files under a table; those of ``above`` (an earlier table's) by their names only."""
     lines = []
-    for name in names:
-        s = source(name)
+    for name in (n for n in names if n not in above):
+        s, where = source(name), path(name).relative_to(RESULTS)
         lines.append(
-            f"- `{name}`: {s['machine']}, {s['date']}, commit {s['commit']}: `{s['command']}`"
+            f"- `{where}`: {s['machine']}, {s['date']}, commit {s['commit']}: `{s['command']}`"
             + (f" ({s['note']})" if s.get("note") else "")
             + (f" (transcribed from {data_from})" if (data_from := s.get("transcribed_from")) else "")
         )
-    return "Sources:\n\n" + "\n".join(lines)
+    if again := [f"`{path(n).relative_to(RESULTS)}`" for n in names if n in above]:
+        lines.append(f"- {', '.join(again)}: listed above")
+    return "Sources:\n" + "\n".join(lines)
 
 
 def table(head: list[str], rows: list[list[str]], right: int = 1) -> str:
@@ -89,17 +107,12 @@ def commit(name: str) -> str:
     return c.split()[0] if re.fullmatch(r"[0-9a-f]{7,40}", c.split()[0]) else c
 
 
-def mean(xs: list[float]) -> float:
-    return statistics.fmean(xs)
+mean = statistics.fmean
 
 
 def ratio(a: float | None, b: float | None) -> str:
     """``a``'s time as a multiple of ``b``'s: every ratio of these tables is ours' time over the other's."""
     return "" if not (a and b) else f"{a / b:.2f}{TIMES}" if a / b >= 0.1 else f"{a / b:.3f}{TIMES}"
-
-
-def f4(x: float | None) -> str:
-    return f"{x:.4f}" if x is not None else "not run"
 
 
 # ------------------------------------------------------------------------------- end to end
@@ -159,9 +172,14 @@ QUALITY = ["quality_se_e2_a_water.json", "quality_dpa3_water.json", "quality_dpa
 
 
 def _quality(name: str) -> tuple[list[dict[str, Any]], str, str, tuple[str, float, int]]:
-    runs, _ = quality.collect([RESULTS / name])
+    runs, _ = quality.collect([path(name)])
     force, _energy, kind = quality.config_columns(runs)
     return runs, force, kind, quality.adamw_target(runs, force)
+
+
+def optimizer_name(run: dict[str, Any]) -> str:
+    """``ours``, ``built-in``, or the type of the Adam or AdamW section a quality run trained with."""
+    return {"ours": "ours", "builtin": "built-in"}.get(run["optimizer"]) or run["optimizer_section"]["type"]
 
 
 def _final_mean(rs: list[dict[str, Any]], force: str) -> float | None:
@@ -180,18 +198,20 @@ def time_to_accuracy() -> str:
     for name in QUALITY:
         runs, force, kind, target = _quality(name)
         label, value, _n = target
-        cells = [MODEL[runs[0]["config"]], str(runs[0]["steps"]), f"{value * 1e3:.1f} meV/Å ({kind}, {label})"]
+        adam = quality._by_label(runs)[label][0]
+        target_cell = f"{value * 1e3:.1f} meV/Å ({kind}; {optimizer_name(adam)} at {adam['start_lr']:g})"
+        cells = [MODEL[runs[0]["config"]], str(runs[0]["steps"]), target_cell]
         for opt in ("ours", "builtin", "adam"):
             best = _best(runs, force, opt)
             cells.append(f"{quality._reach_cell(best[1], force, value)} at {best[1][0]['start_lr']:g}" if best else "")
         rows.append(cells)
-    head = ["model", "steps", "AdamW's final val force error", "ours: steps (s)", "built-in: steps (s)", "AdamW"]
+    head = ["model", "steps run", "target: the best Adam or AdamW rate's final validation force error"]
+    head += ["ours: steps to the target (s)", "built-in", "Adam or AdamW"]
     return table(head, rows, right=3) + "\n\n" + sources(QUALITY)
 
 
 def learning_rate() -> str:
     rows = []
-    names = {"ours": "ours", "builtin": "built-in", "adam": "Adam(W)"}
     for name in QUALITY:
         runs, force, kind, _target = _quality(name)
         for _label, rs in sorted(
@@ -205,53 +225,32 @@ def learning_rate() -> str:
             rows.append(
                 [
                     MODEL[rs[0]["config"]],
-                    names[rs[0]["optimizer"]],
+                    optimizer_name(rs[0]),
                     f"{rs[0]['start_lr']:g}",
                     f"{len(full)}/{len(rs)}",
                     f"{value} ({kind})",
                     quality._mean_sd(tests, 1e3, "{:.1f}") if tests else "",
                 ]
             )
-    head = ["model", "optimizer", "start_lr", "complete runs", "final val force error (meV/Å)", "test force RMSE"]
-    return table(head, rows, right=2) + "\n\n" + sources(QUALITY)
+    head = [
+        "model",
+        "optimizer",
+        "start_lr",
+        "complete runs",
+        "final validation force error (meV/Å)",
+        "test force RMSE",
+    ]
+    return table(head, rows, right=2)  # its sources are the table's above
 
 
 # ------------------------------------------------------------------------------ several GPUs
 
-#: (results file, config, stage): the multi-GPU rows, newest code first per configuration.
-MULTI = [
-    ("multi_gpu_dpa2_small_h200x2_2026-11-24.json", "dpa2_small_water", 0),
-    ("multi_gpu_dpa4_h200x2_2026-11-23.json", "dpa4_water", 0),
-]
 STAGE = {0: "0 (DDP)", 1: "1 (ZeRO-1)", 2: "2 (FSDP2)", 3: "3 (FSDP2)"}
 
 
 def _run(name: str, config: str, key: str) -> dict[str, Any] | None:
     r = load(name)["configs"][config]["runs"].get(key)
     return r if r and r.get("returncode") == 0 and r.get("average_s_per_batch") else None
-
-
-def several_gpus() -> str:
-    rows = []
-    for name, config, stage in MULTI:
-        data, s = load(name), source(name)
-        got = {v: _run(name, config, f"stage{stage}-{v}") for v in ("ours", "adamw", "builtin")}
-        spb = {v: (r["average_s_per_batch"] if r else None) for v, r in got.items()}
-        step = [f"{r['optimizer_step']['slowest_rank_median_ms']:.2f}" if r else DASH for r in got.values()]
-        rows.append(
-            [
-                MODEL[config] + (", EMA off" if data.get("enable_ema_off") else ""),
-                f"{data['gpus']} {TIMES} {data['device'].replace('NVIDIA ', '').replace(' 80GB HBM3', '')}",
-                f"{s['date'][:10]}, {commit(name)}",
-                STAGE[stage],
-                *(f4(spb[v]) for v in ("ours", "adamw", "builtin")),
-                ratio(spb["ours"], spb["adamw"]),
-                " / ".join(step),
-            ]
-        )
-    head = ["model", "GPUs", "date, commit", "zero_stage", "ours s/batch", "AdamW", "built-in", VS_ADAMW]
-    head.append("step ms ours / AdamW / built-in")
-    return table(head, rows, right=4) + "\n\n" + sources(list(dict.fromkeys(n for n, _, _ in MULTI)))
 
 
 #: Alternating pairs of ours and AdamW at each sharded stage, one call per file: (file, config, stages shown).
@@ -346,28 +345,8 @@ def several_gpus_summary() -> str:
                 f"{min(longer):.2f}{DASH}{max(longer):.2f}{TIMES}",
             ]
         )
-    head = ["model", "GPUs", "zero_stage", "pairs (per call)", f"ours {TIMES} AdamW's s/batch, geometric mean"]
-    head += ["each pair", f"step, the longer clock: ours {TIMES} AdamW's"]
-    return table(head, rows, right=4)
-
-
-def several_gpus_pairs() -> str:
-    rows = [
-        [
-            MODEL.get(r["config"], r["config"]),
-            f"{load(r['name'])['gpus']} {TIMES} {gpu_model(r['name'])}",
-            STAGE[r["stage"]],
-            r["pair"],
-            *(f4(r["spb"][v]) for v in ("ours", "adamw")),
-            ratio(r["spb"]["ours"], r["spb"]["adamw"]),
-            *(f"{r['clocks']['ours'][i]:.2f} / {r['clocks']['adamw'][i]:.2f}" for i in (0, 1)),
-            ratio(r["clocks"]["ours"][0], r["clocks"]["adamw"][0]),
-            ratio(r["clocks"]["ours"][2], r["clocks"]["adamw"][2]),
-        ]
-        for r in pair_rows()
-    ]
-    head = ["model", "GPUs", "zero_stage", "pair", "ours s/batch", "AdamW", VS_ADAMW, "step ms ours / AdamW"]
-    head += ["host ms ours / AdamW", f"step: ours {TIMES} AdamW's", f"the longer clock: ours {TIMES} AdamW's"]
+    head = ["model", "GPUs", "zero_stage", "pairs per call (GPU)", f"ours {TIMES} AdamW's s/batch, geometric mean"]
+    head += ["each pair", f"step: ours {TIMES} AdamW's, the longer timing"]
     return table(head, rows, right=4) + "\n\n" + sources([name for name, _, _ in PAIRS])
 
 
@@ -385,7 +364,6 @@ SCALING = (
     ("multi_gpu_dpa3_stage3_g4_h200x4_2026-11-27.json", "dpa3_water"),
 )
 SCALING_VARIANTS = ("ours", "adamw", "builtin")
-SCALING_NAMES = {"ours": "ours", "adamw": "AdamW", "builtin": "built-in"}
 
 
 def gpu_model(name: str) -> str:
@@ -434,44 +412,22 @@ def scaling_rows() -> list[dict[str, Any]]:
 
 
 def scaling() -> str:
-    def cells(r: dict[str, Any], key: str, fmt: str) -> list[str]:
-        return [
-            format(r[key][v], fmt) if r[key][v] else ("failed" if v in r["failed"] else DASH) for v in SCALING_VARIANTS
-        ]
-
-    rows, failures = [], {}
+    """One row per GPU model, GPUs and stage; each cell lists its rounds."""
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for r in scaling_rows():
-        rows.append(
-            [
-                r["model"],
-                str(r["gpus"]),
-                STAGE[r["stage"]] if r["gpus"] > 1 else "one process",
-                r["round"],
-                *cells(r, "spb", ".4f"),
-                *cells(r, "rate", ".2f"),
-                " / ".join(cells(r, "eff", ".2f")),
-            ]
-        )
-        for v, problem in r["failed"].items():
-            failures.setdefault((v, problem), []).append(f"{r['gpus']} GPUs at zero_stage {r['stage']}")
-    head = ["GPU", "GPUs", "zero_stage", "round", "ours s/batch", "AdamW", "built-in", "ours frames/s", "AdamW"]
-    head += ["built-in", "efficiency ours / AdamW / built-in"]
-    notes = "".join(
-        f"\n\nFailed: the {SCALING_NAMES[v]} on {', '.join(where)}: `{problem}`."
-        for (v, problem), where in failures.items()
-    )
-    return table(head, rows, right=4) + notes + "\n\n" + sources([name for name, _ in SCALING])
-
-
-#: The cost model's predictions (benchmarks/cost_model.py).
-COST_MODEL = "cost_model_2026-11-27.json"
-
-
-def cost_model() -> str:
-    sys.path.insert(0, str(HERE))
-    from cost_model import markdown
-
-    return markdown(load(COST_MODEL)["rows"]) + "\n\n" + sources([COST_MODEL])
+        groups.setdefault((r["model"], r["gpus"], r["stage"]), []).append(r)
+    rows = []
+    for (model, gpus, stage), rs in groups.items():
+        cells = []
+        for key, fmt in (("spb", ".4f"), ("eff", ".2f")):
+            for v in SCALING_VARIANTS:
+                xs = [format(r[key][v], fmt) for r in rs if r[key][v]]
+                cells.append(" / ".join(xs) or ("failed" if any(v in r["failed"] for r in rs) else DASH))
+        rows.append([model, str(gpus), STAGE[stage] if gpus > 1 else "one process", *cells])
+    head = ["GPU", "GPUs", "zero_stage", "ours s/batch (each round)", "AdamW", "built-in"]
+    head += ["efficiency: ours", "AdamW", "built-in"]
+    pairs = [name for name, _, _ in PAIRS]
+    return table(head, rows, right=3) + "\n\n" + sources([name for name, _ in SCALING], above=pairs)
 
 
 # ---------------------------------------------------------------------------- the step alone
@@ -479,23 +435,6 @@ def cost_model() -> str:
 
 #: The step table's run: ours, the built-in and AdamW in one process, at the code that made these documents.
 STEP = "step_time_h100_2026-11-27.json"
-#: Runs of the same step code (ours and AdamW) on other H100 machines that day: how much the numbers move.
-STEP_RUNS = [STEP, *(f"step_time_h100_2026-11-27_{k}.json" for k in ("a1", "a2", "b1", "b2", "c1", "c2"))]
-#: The torch stacks' design measurement, one call, alternating: (version, results file) in the order run.
-STREAMS_VERSIONS = ["old", "one", "new", "new", "one", "old"]
-STREAMS = [(v, f"step_time_h200_2026-11-28_streams_{i}_{v}.json") for i, v in enumerate(STREAMS_VERSIONS, 1)]
-#: End to end, each model in one call: (model, [(version, file), ...]) alternating.
-STREAMS_E2E = [
-    (
-        m,
-        [
-            (v, f"train_speed_{m}_h200_2026-11-28_streams_{i}_{v}.json")
-            for i, v in enumerate(["old", "new", "new", "old"], 1)
-        ],
-    )
-    for m in ("se_e2_a", "dpa3", "dpa4")
-]
-STREAMS_MEMORY = ("stacks_memory_09d614a_h200_2026-11-28.json", "memory_h200_2026-11-28.json")
 
 
 def step_medians(name: str, config: str) -> dict[str, float]:
@@ -503,59 +442,18 @@ def step_medians(name: str, config: str) -> dict[str, float]:
     return {r["variant"]: r["median_ms"] for r in load(name)["configs"][config]["results"] if r.get("ok")}
 
 
-def step_rows() -> list[list[Any]]:
-    """(model, ours, adamw, builtin) median ms of the optimizer step alone."""
-    rows = []
-    for config in load(STEP)["configs"]:
-        med = step_medians(STEP, config)
-        rows.append([config, med["ours"], med["adamw"], med["builtin"]])
-    return rows
-
-
 def _ms(x: float) -> str:
     return f"{x:.3f}" if x < 1 else f"{x:.3g}" if x < 10 else f"{x:.1f}"
 
 
 def step_alone() -> str:
-    rows = []
-    s = source(STEP)
-    for config, ours, adamw, builtin in step_rows():
-        rows.append(
-            [
-                MODEL[config],
-                f"{s['date'][:10]}, {commit(STEP)}",
-                _ms(ours),
-                _ms(adamw),
-                _ms(builtin),
-                ratio(ours, adamw),
-                ratio(ours, builtin),
-            ]
-        )
-    head = ["model", "date, commit", "ours median ms", "fused AdamW", "built-in", VS_ADAMW, VS_BUILTIN]
-    return table(head, rows, right=2) + "\n\n" + sources([STEP])
-
-
-def step_spread() -> str:
-    spread = []
+    when, rows = f"{source(STEP)['date'][:10]}, {commit(STEP)}", []
     for config in load(STEP)["configs"]:
-        meds = [step_medians(name, config) for name in STEP_RUNS]
-        ours, adamw = [m["ours"] for m in meds], [m["adamw"] for m in meds]
-        ratios = [m["ours"] / m["adamw"] for m in meds]
-        spread.append(
-            [
-                MODEL[config],
-                f"{statistics.median(ours):.2f} ({min(ours):.2f}{DASH}{max(ours):.2f})",
-                f"{statistics.median(adamw):.2f} ({min(adamw):.2f}{DASH}{max(adamw):.2f})",
-                f"{min(ratios):.2f}{DASH}{max(ratios):.2f}",
-            ]
-        )
-    head = [
-        "model",
-        f"ours median ms, median of {len(STEP_RUNS)} runs (range)",
-        "fused AdamW (range)",
-        f"{VS_ADAMW}, each run",
-    ]
-    return table(head, spread) + "\n\n" + sources(STEP_RUNS)
+        ms = step_medians(STEP, config)
+        cells = [_ms(ms[v]) for v in ("ours", "adamw", "builtin")]
+        rows.append([MODEL[config], when, *cells, ratio(ms["ours"], ms["adamw"]), ratio(ms["ours"], ms["builtin"])])
+    head = ["model", "date, commit", "ours median ms", "AdamW", "built-in", VS_ADAMW, VS_BUILTIN]
+    return table(head, rows, right=2) + "\n\n" + sources([STEP])
 
 
 # ------------------------------------------------------------------------------- CPU
@@ -568,7 +466,7 @@ CPU_MODELS = {**MODEL, "input": "the bundled example", "example": "the bundled e
 def _cpu_runs(kind: str) -> dict[tuple[str, int], list[tuple[str, dict[str, float]]]]:
     """(model, threads) -> [(file, variant -> median step ms or s/batch)] of every round, in file order."""
     runs: dict[tuple[str, int], list[tuple[str, dict[str, float]]]] = {}
-    for path in sorted(RESULTS.glob(f"cpu_{kind}_*.json")):
+    for path in sorted(RESULTS.glob(f"cpu/cpu_{kind}_*.json")):
         match = CPU_NAME.fullmatch(path.name)
         if not match:
             continue
@@ -601,12 +499,9 @@ def _cpu_table(kind: str, unit: str, digits: int) -> str:
     return table(head, rows, right=2) + "\n\n" + sources(sorted(set(names)))
 
 
-def cpu_step() -> str:
-    return _cpu_table("step", "median ms", 1)
-
-
-def cpu_train() -> str:
-    return _cpu_table("train", "s/batch", 3)
+def cpu() -> str:
+    """The CPU step alone, then ``dp --pt train``'s s/batch."""
+    return _cpu_table("step", "median ms", 1) + "\n\n" + _cpu_table("train", "s/batch", 3)
 
 
 #: Learning curves of se_e2_a water (GPU runs: the steps to an accuracy do not depend on the device).
@@ -614,7 +509,7 @@ CPU_QUALITY = "quality_se_e2_a_water_adam3_h200_2026-11-27.json"
 
 
 def cpu_time_to_accuracy_rows() -> list[tuple[str, float, float, float, float]]:
-    """(label, start_lr, steps to AdamW's final val force error, CPU s/batch at 2 threads, CPU s) of ours and AdamW."""
+    """(optimizer, start_lr, steps to Adam's final validation force error, CPU s/batch at 2 threads, CPU s)."""
     runs, force, _kind, (adam_label, target, _n) = _quality(CPU_QUALITY)
     speed = {v: mean([r[v] for _, r in _cpu_runs("train")[("se_e2_a_water", 2)]]) for v in ("ours", "adamw")}
     rows = []
@@ -622,12 +517,13 @@ def cpu_time_to_accuracy_rows() -> list[tuple[str, float, float, float, float]]:
         label, rs = _best(runs, force, optimizer)
         steps = [quality.steps_to(r["lcurve"], force, target) for r in rs]
         n = rs[0]["steps"] if label == adam_label else mean([k for k in steps if k is not None])
-        rows.append((label, rs[0]["start_lr"], n, speed[variant], n * speed[variant]))
+        rows.append((optimizer_name(rs[0]), rs[0]["start_lr"], n, speed[variant], n * speed[variant]))
     return rows
 
 
 def cpu_time_to_accuracy() -> str:
-    _runs, _force, kind, (label, target, _n) = _quality(CPU_QUALITY)
+    runs, _force, kind, (label, target, _n) = _quality(CPU_QUALITY)
+    adam = quality._by_label(runs)[label][0]
     rows = [
         [lb, f"{lr:g}", f"{n:.0f}", f"{spb:.3f}", f"{secs:.0f}"] for lb, lr, n, spb, secs in cpu_time_to_accuracy_rows()
     ]
@@ -635,125 +531,13 @@ def cpu_time_to_accuracy() -> str:
     head = [
         "optimizer",
         "start_lr",
-        f"steps to {target * 1e3:.1f} meV/Å ({kind}, {label}'s final)",
-        "CPU s/batch",
+        f"steps to {target * 1e3:.1f} meV/Å ({kind}: {optimizer_name(adam)} at {adam['start_lr']:g}, its final)",
+        "CPU s/batch (AdamW's for Adam)",
         "CPU s",
     ]
-    names = [CPU_QUALITY, *sorted({n for n, _ in _cpu_runs("train")[("se_e2_a_water", 2)]})]
-    note = f"ours: {ratio(ours, adamw)} AdamW's time to its final error"
-    return table(head, rows, right=1) + "\n\n" + note + "\n\n" + sources(names)
-
-
-#: The phased kernel's removal: (with it, without it) per round, alternating in one call.
-PHASED = [
-    (f"step_time_h200_2026-11-27_with_phased_r{r}.json", f"step_time_h200_2026-11-27_without_phased_r{r}.json")
-    for r in (1, 2)
-]
-PHASED_E2E = [
-    (
-        f"train_speed_se_e2_a_h200_2026-11-27_with_phased_r{r}.json",
-        f"train_speed_se_e2_a_h200_2026-11-27_without_phased_r{r}.json",
-    )
-    for r in (1, 2)
-]
-
-
-def design_phased() -> str:
-    def step(name: str, config: str) -> str:
-        med = step_medians(name, config)
-        return f"{_ms(med['ours'])} ({ratio(med['ours'], med['adamw'])})"
-
-    rows = [[MODEL[c], *(step(n, c) for pair in PHASED for n in pair)] for c in load(PHASED[0][0])["configs"]]
-    spb = [run_spb(n) for pair in PHASED_E2E for n in pair]
-    rows.append(["se_e2_a water, end to end (s/batch)", *(f"{x:.4f}" for x in spb)])
-    head = ["model", *(f"round {r}, {k}" for r in (1, 2) for k in ("with", "without"))]
-    return table(head, rows) + "\n\n" + sources([n for pairs in (PHASED, PHASED_E2E) for pair in pairs for n in pair])
-
-
-#: The panel and address-table kernels' removal: (with them, without them) per round, alternating in one call;
-#: the version between them (panels removed only) printed its tables to FAMILIES_TEXT.
-FAMILIES = [
-    (f"step_time_h100_2026-11-27_families_with_r{r}.json", f"step_time_h100_2026-11-27_families_without_r{r}.json")
-    for r in (1, 2)
-]
-FAMILIES_TEXT = "step_time_h100_2026-11-27_families.txt"
-
-
-def _printed_medians(name: str, version: str) -> dict[tuple[int, str], dict[str, float]]:
-    """(round, model) -> {variant: median ms} of one version in a file of versions_ab.sh's printed tables."""
-    out: dict[tuple[int, str], dict[str, float]] = {}
-    rows: dict[str, dict[str, float]] = {}
-    config = ""
-    for line in (RESULTS / name).read_text().splitlines():
-        if line.startswith("## "):
-            config = line[3:].strip()
-        elif line.startswith("| "):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            rows.setdefault(config, {})[cells[0]] = float(cells[2])
-        elif line.startswith("== "):
-            _, label, round_, *_ = line.split()
-            if label == version:
-                out.update({(int(round_.lstrip("r")), c): v for c, v in rows.items()})
-            rows = {}
-    return out
-
-
-def design_families() -> str:
-    def cell(med: dict[str, float]) -> str:
-        return f"{_ms(med['ours'])} ({ratio(med['ours'], med['adamw'])})"
-
-    between = _printed_medians(FAMILIES_TEXT, "nopanel")
-    rows = []
-    for config in load(FAMILIES[0][0])["configs"]:
-        cells = []
-        for r, (with_, without) in enumerate(FAMILIES, start=1):
-            cells += [cell(step_medians(with_, config)), cell(between[r, config]), cell(step_medians(without, config))]
-        rows.append([MODEL[config], *cells])
-    kinds = ("with both", "panels removed", "without both")
-    head = ["model", *(f"round {r}, {k}" for r in (1, 2) for k in kinds)]
-    names = [n for pair in FAMILIES for n in pair] + [FAMILIES_TEXT]
-    return table(head, rows) + "\n\n" + sources(names)
-
-
-#: The Triton Magma kernel's removal: the step (versions_ab.sh's printed tables; round 2 without it was not
-#: recorded) and deepmd's s/batch of DPA-3 and DPA-4 water (with, without) per round, alternating in one call.
-MAGMA_STEP = "step_time_h200_2026-11-27_magma_kernel.txt"
-MAGMA_E2E = {
-    c: [(f"train_speed_{c}_h200_2026-11-27_{k}_magma_kernel_r{r}.json") for r in (1, 2) for k in ("with", "without")]
-    for c in ("dpa3", "dpa4")
-}
-
-
-def design_magma() -> str:
-    cells = {k: _printed_medians(MAGMA_STEP, k) for k in ("with_kernel", "without_kernel")}
-
-    def step(kind: str, r: int, config: str) -> str:
-        med = cells[kind].get((r, config))
-        return f"{_ms(med['ours'])} ({ratio(med['ours'], med['adamw'])})" if med else "not recorded"
-
-    kinds = [(r, k) for r in (1, 2) for k in ("with_kernel", "without_kernel")]
-    rows = [[MODEL[c], *(step(k, r, c) for r, k in kinds)] for c in MODEL if (1, c) in cells["with_kernel"]]
-    for c, names in MAGMA_E2E.items():
-        spb = [run_spb(n) for n in names]
-        rows.append([f"{MODEL[c + '_water']}, end to end (s/batch)", *(f"{x:.4f}" for x in spb)])
-    head = ["model", *(f"round {r}, {'with' if k == 'with_kernel' else 'without'}" for r, k in kinds)]
-    return table(head, rows) + "\n\n" + sources([MAGMA_STEP, *(n for names in MAGMA_E2E.values() for n in names)])
-
-
-#: The GPU step before and after the in-place flat buffer, alternating in one call: (205dfb2, then) pairs of rounds.
-STEP_BEFORE_AFTER = [f"step_time_h100_2026-11-28_{k}_r{r}.json" for r in (1, 2) for k in ("before", "after")]
-
-
-def step_before_after() -> str:
-    rows = []
-    for config in load(STEP_BEFORE_AFTER[0])["configs"]:
-        cells = []
-        for name in STEP_BEFORE_AFTER:
-            med = step_medians(name, config)
-            cells.append(f"{_ms(med['ours'])} ({ratio(med['ours'], med['adamw'])})")
-        rows.append([MODEL[config], *cells])
-    head = ["model", *(f"{commit(n)}, round {n[-6]}: ms (ours: {TIMES} AdamW's time)" for n in STEP_BEFORE_AFTER)]
-    return table(head, rows) + "\n\n" + sources(STEP_BEFORE_AFTER)
+    cpu_runs = sorted({n for n, _ in _cpu_runs("train")[("se_e2_a_water", 2)]})
+    note = f"ours: {ratio(ours, adamw)} Adam's time to Adam's final error (steps from learning curves of GPU runs)"
+    return table(head, rows, right=1) + "\n\n" + note + "\n\n" + sources([CPU_QUALITY, *cpu_runs], above=cpu_runs)
 
 
 # ------------------------------------------------------------------------------- cold start
@@ -792,226 +576,43 @@ def cold_start() -> str:
     return table(head, rows, right=2) + "\n\n" + sources(COLD)
 
 
-# ---------------------------------------------------------------------------------- design
-
-
-GRAPH = [
-    ("multi_gpu_dpa2_small_h100x1_stage0_between_2026-11-25.json", "CUDA graph (default)"),
-    ("multi_gpu_dpa2_small_h100x1_stage0_between_eager_2026-11-25.json", "`engine-eager` (no graph)"),
-]
-
-
-def design_graph() -> str:
-    rows = []
-    for name, how in GRAPH:
-        for key, r in load(name)["configs"]["dpa2_small_water"]["runs"].items():
-            if not key.endswith("-ours"):
-                continue
-            rank = r["optimizer_step"]["per_rank"]["rank0"]
-            rows.append(
-                [how, key, f"{rank['median_ms']:.2f}", f"{rank['host_mean_ms']:.2f}", f"{r['average_s_per_batch']:.4f}"]
-            )
-    head = ["ours", "run", "step ms (GPU median)", "step ms (host mean)", "s/batch"]
-    return table(head, rows, right=2) + "\n\n" + sources([n for n, _ in GRAPH])
-
-
-def design_stacks() -> str:
-    """The torch stacks: padded with a side stream each (old), per shape on one stream (one), per shape on one side
-    stream (new): step, end to end, memory."""
-    label = {"old": "09d614a", "one": "f002671", "new": "f04f4c5"}
-    rows = []
-    for config in load(STREAMS[0][1])["configs"]:
-        cells = [MODEL[config]]
-        for version in ("old", "one", "new"):
-            runs = [step_medians(name, config) for v, name in STREAMS if v == version]
-            cells.append(" / ".join(f"{r['ours']:.3f} ({r['ours'] / r['adamw']:.2f}{TIMES})" for r in runs))
-        rows.append(cells)
-    head = ["model", *(f"step ms, {label[v]} (two runs; {TIMES} AdamW's)" for v in ("old", "one", "new"))]
-    text = table(head, rows)
-    rows = []
-    for model, runs in STREAMS_E2E:
-        by = {v: [run_spb(n) for u, n in runs if u == v] for v in ("old", "new")}
-        new = commit(runs[1][1])
-        rows.append(
-            [
-                MODEL[f"{model}_water"],
-                " / ".join(f"{x:.4f}" for x in by["old"]),
-                new,
-                " / ".join(f"{x:.4f}" for x in by["new"]),
-            ]
-        )
-    text += "\n\n" + table(["model", "s/batch, 09d614a (two runs)", "against", "s/batch (two runs)"], rows)
-    before, after = (load(n)["optimizer_alone"] for n in STREAMS_MEMORY)
-    rows = []
-    for config in before:
-        for variant in ("ours", "ours-torch"):
-            a = next(r for r in before[config]["results"] if r["variant"] == variant)
-            b = next(r for r in after[config]["results"] if r["variant"] == variant)
-            rows.append(
-                [
-                    MODEL[config],
-                    MEMORY_VARIANTS[variant],
-                    f"{a['resident_mib']:.1f} / {a['peak_mib']:.1f}",
-                    f"{b['resident_mib']:.1f} / {b['peak_mib']:.1f}",
-                ]
-            )
-    text += "\n\n" + table(["model", "optimizer", "MiB resident / peak, 09d614a", "f04f4c5"], rows)
-    names = [n for _, n in STREAMS] + [n for _, runs in STREAMS_E2E for _, n in runs] + list(STREAMS_MEMORY)
-    return text + "\n\n" + sources(names)
-
-
-#: The torch stacks captured on a side stream (old: bd35792) or eagerly between the step's graphs (new: d9cf34f).
-EAGER_VERSIONS = ["old", "new", "new", "old"]
-EAGER_STEP = [(v, f"step_time_h200_2026-11-28_eager_{i}_{v}.json") for i, v in enumerate(EAGER_VERSIONS, 1)]
-EAGER_E2E = [(v, f"train_speed_dpa3_h200_2026-11-28_eager_{i}_{v}.json") for i, v in enumerate(EAGER_VERSIONS, 1)]
-EAGER_MEMORY = ("eager_stacks_memory_bd35792_h200_2026-11-28.json", "eager_stacks_memory_h200_2026-11-28.json")
-
-
-def design_eager() -> str:
-    """The torch stacks captured (bd35792) or eagerly between the step's graphs (d9cf34f): step, end to end, memory."""
-    rows = []
-    for config in load(EAGER_STEP[0][1])["configs"]:
-        cells = [MODEL[config]]
-        for variant in ("ours", "ours-noflash"):
-            for version in ("old", "new"):
-                runs = [step_medians(n, config) for v, n in EAGER_STEP if v == version]
-                cells.append(" / ".join(f"{r[variant]:.3f}" for r in runs))
-        rows.append(cells)
-    head = ["model", "step ms, captured (two runs)", "between graphs", "torch kernels only: captured", "between graphs"]
-    text = table(head, rows)
-    spb = {v: " / ".join(f"{run_spb(n):.4f}" for u, n in EAGER_E2E if u == v) for v in ("old", "new")}
-    head = ["model", "s/batch, captured (two runs)", "between graphs (two runs)"]
-    text += "\n\n" + table(head, [["DPA-3 water", spb["old"], spb["new"]]])
-    before, after = (load(n)["optimizer_alone"] for n in EAGER_MEMORY)
-    rows = []
-    for config in before:
-        adamw = next(r for r in after[config]["results"] if r["variant"] == "adamw")["resident_mib"]
-        for variant in ("ours", "ours-torch"):
-            cells = [MODEL[config], MEMORY_VARIANTS[variant]]
-            for d in (before, after):
-                r = next(r for r in d[config]["results"] if r["variant"] == variant)
-                mib, ratio = (
-                    (f"{r[k]:.1f}" for k in ("resident_mib", "peak_mib")),
-                    (r[k] / adamw for k in ("resident_mib", "peak_mib")),
-                )
-                cells.append(" / ".join(mib) + " (" + " / ".join(f"{x:.2f}{TIMES}" for x in ratio) + ")")
-            rows.append(cells)
-    head = ["model", "optimizer", f"MiB resident / peak ({TIMES} fused AdamW), captured", "between graphs"]
-    text += "\n\n" + table(head, rows, right=2)
-    names = [n for _, n in EAGER_STEP + EAGER_E2E] + list(EAGER_MEMORY)
-    return text + "\n\n" + sources(names)
-
-
 #: Multi-task: the engine built again at each change of the parameters with a gradient (old: bd35792) or masked (new).
 MULTITASK_VERSIONS = ["old", "new", "new", "old"]
 MULTITASK_STEP = [(v, f"multitask_step_h200_2026-11-28_{i}_{v}.json") for i, v in enumerate(MULTITASK_VERSIONS, 1)]
-MULTITASK_SINGLE = [
-    (v, f"step_time_h200_2026-11-28_multitask_{i}_{v}.json") for i, v in enumerate(MULTITASK_VERSIONS, 1)
-]
 MULTITASK_E2E = [
     (v, f"train_speed_dpa3_multitask_h200_2026-11-28_{i}_{v}.json") for i, v in enumerate(MULTITASK_VERSIONS, 1)
 ]
 
 
 def multitask() -> str:
-    """Ours' step with branches taking turns, before (bd35792) and after; DPA-3 multi-task end to end; single-task."""
-    label = {"old": "bd35792", "new": "220da46"}
+    """Ours' step with branches taking turns, before (bd35792) and after, and a DPA-3 multi-task run's s/batch."""
     how = {"old": "bd35792 (built again at each change)", "new": "220da46 (the masked step)"}
     ways = [r["way"] for r in load(MULTITASK_STEP[0][1])["rows"] if r["round"] == 1]
     rows = []
     for version in ("old", "new"):
         runs = [load(n)["rows"] for v, n in MULTITASK_STEP if v == version]
         cells = [" / ".join(f"{r['median_ms']:.2f}" for run in runs for r in run if r["way"] == way) for way in ways]
-        rows.append([how[version], *cells])
-    text = table(["ours", *(f"step ms, {w} (4 rounds)" for w in ways)], rows)
-    spb = {v: " / ".join(f"{run_spb(n):.4f}" for u, n in MULTITASK_E2E if u == v) for v in ("old", "new")}
-    head = ["model", f"s/batch, {label['old']} (two runs)", f"{label['new']} (two runs)"]
-    text += "\n\n" + table(head, [["DPA-3 water, two branches", spb["old"], spb["new"]]])
-    rows = []
-    for config in load(MULTITASK_SINGLE[0][1])["configs"]:
-        runs = {v: [step_medians(n, config)["ours"] for u, n in MULTITASK_SINGLE if u == v] for v in ("old", "new")}
-        rows.append([MODEL[config], *(" / ".join(f"{x:.3f}" for x in runs[v]) for v in ("old", "new"))])
-    head = ["model (single-task)", f"step ms, {label['old']} (two runs)", f"{label['new']} (two runs)"]
-    text += "\n\n" + table(head, rows)
-    names = [n for _, n in MULTITASK_STEP + MULTITASK_E2E + MULTITASK_SINGLE]
-    return text + "\n\n" + sources(names)
-
-
-TRITON_STEP = [f"step_time_h200_2026-11-28_triton_r{r}.json" for r in (1, 2)]
-TRITON_E2E = [
-    f"train_speed_dpa3_h200_2026-11-28_triton_{i}_{v}.json"
-    for i, v in enumerate(("with", "without", "without", "with"), 1)
-]
-
-
-def design_triton() -> str:
-    """Ours with and without the Triton kernels (``flash_muon`` false): step (two rounds), DPA-3 end to end."""
-    rows = []
-    for config in load(TRITON_STEP[0])["configs"]:
-        runs = [step_medians(name, config) for name in TRITON_STEP]
-        rows.append(
-            [MODEL[config], *(" / ".join(f"{r[v]:.3f}" for r in runs) for v in ("ours", "ours-noflash", "adamw"))]
-        )
-    text = table(["model", "step ms, Triton kernels (two rounds)", "torch kernels only", "AdamW"], rows)
-    by = {v: [run_spb(n) for n in TRITON_E2E if n.endswith(f"_{v}.json")] for v in ("with", "without")}
-    text += "\n\n" + table(
-        ["model", "s/batch, Triton kernels (two runs)", "torch kernels only (two runs)"],
-        [["DPA-3 water", *(" / ".join(f"{x:.4f}" for x in by[v]) for v in ("with", "without"))]],
-    )
-    return text + "\n\n" + sources(TRITON_STEP + TRITON_E2E)
-
-
-def design_ddp_split() -> str:
-    d = load("ddp_split_h200x2_2026-11-23.json")
-    rows = [
-        [
-            r["case"],
-            f"{r['ns_cost_saved']:.1e}",
-            f"{r['off']['median_ms']:.3g}",
-            f"{r['always']['median_ms']:.3g}",
-            f"{r['ratio']:.2f}",
-        ]
-        for r in d["rows"]
-        if r.get("off") and r.get("always")
-    ]
-    head = ["case", "NS cost saved per rank", '`"off"` ms (batched step)', '`"always"` ms (split)']
-    head.append(f'`"always"`: {TIMES} the time of `"off"`')
-    return table(head, rows) + "\n\n" + sources(["ddp_split_h200x2_2026-11-23.json"])
-
-
-def design_alignment() -> str:
-    name = "kernel_alignment_h100_2026-11-25.json"
-    rows = [
-        [
-            r["config"].removesuffix("_water"),
-            f"{r['commit']}: {r['specialised_on']}",
-            " + ".join(f"{us:.0f}" for us in r["phased_us"]),
-            f"{r['replay_gpu_ms'] * 1000:.0f}",
-        ]
-        for r in load(name)["rows"]
-    ]
-    head = ["model", "pointers specialised on", "phased kernel µs (each launch)", "whole step µs (GPU)"]
-    return table(head, rows, right=2) + "\n\n" + sources([name])
+        spb = " / ".join(f"{run_spb(n):.4f}" for v, n in MULTITASK_E2E if v == version)
+        rows.append([how[version], *cells, spb])
+    head = ["ours", *(f"step ms, {w} (4 rounds)" for w in ways), "s/batch, DPA-3 water in two branches (two runs)"]
+    return table(head, rows) + "\n\n" + sources([n for _, n in MULTITASK_STEP + MULTITASK_E2E])
 
 
 # ---------------------------------------------------------------------------------- memory
 
-#: memory.py's variants as the memory tables name them.
+#: memory.py's variants that the memory tables show, as they name them.
 MEMORY_VARIANTS = {
     "ours": "ours",
     "ours-eager": "ours without the CUDA graph (`engine-eager`)",
-    "ours-torch": "ours, torch kernels (`flash_muon: false`)",
-    "adamw": "fused AdamW",
+    "adamw": "AdamW",
     "builtin": "built-in",
     "torch-muon": "torch.optim.Muon + AdamW",
 }
 
 
 def memory_files() -> list[str]:
-    """The results files of ``benchmarks/memory.py`` measured on CUDA (a CPU run records no memory), oldest first."""
-    names = [p.name for p in RESULTS.glob("memory_*.json")]
-    cuda = [n for n in names if str((load(n).get("environment") or {}).get("device", "")).startswith("cuda")]
-    return sorted(cuda, key=lambda n: source(n)["date"])
+    """The results files of ``memory.py`` (GPU runs), oldest first: a later file's row replaces an earlier one's."""
+    return sorted((p.name for p in RESULTS.glob("memory/*.json")), key=lambda n: source(n)["date"])
 
 
 def _mib(x: float | None) -> str:
@@ -1026,14 +627,9 @@ def _times(a: float | None, b: float | None) -> str:
 def memory() -> str:
     """The memory an optimizer holds (the optimizer alone), and the peak of whole ``dp --pt train`` runs."""
     names = memory_files()
-    if not names:
-        return (
-            "No results yet: `python benchmarks/memory.py` on a GPU writes "
-            "`benchmarks/results/memory_<gpu>_<date>.json`."
-        )
     rows: dict[tuple[str, str], list[str]] = {}  # (model, variant): the latest measurement only
     train_rows: dict[tuple[str, str], list[str]] = {}  # likewise
-    # fused AdamW per model, from the latest file that measured it
+    # AdamW per model, from the latest file that measured it
     adamw_of = {
         config: r
         for name in names
@@ -1052,8 +648,8 @@ def memory() -> str:
                 else ""
             )
             adamw = adamw_of.get(config, {})
-            for r in entry["results"]:
-                cells = [MODEL.get(config, config), when, size, MEMORY_VARIANTS.get(r["variant"], r["variant"])]
+            for r in (r for r in entry["results"] if r["variant"] in MEMORY_VARIANTS):  # the variants shown
+                cells = [MODEL.get(config, config), when, size, MEMORY_VARIANTS[r["variant"]]]
                 if r.get("ok"):
                     res, peak = r["resident_mib"], r["peak_mib"]
                     cells += [
@@ -1075,13 +671,13 @@ def memory() -> str:
                 train_rows[config, r["variant"]] = [
                     MODEL.get(config, config),
                     when,
-                    MEMORY_VARIANTS.get(r["variant"], r["variant"]).replace("fused AdamW", "AdamW"),
+                    MEMORY_VARIANTS.get(r["variant"], r["variant"]),
                     str(r["steps"]),
                     _mib(peak) if not r["problems"] else "failed",
                     _times(peak, adamw_peak),
                 ]
     head = ["model", "date, commit", "parameters", "optimizer", "resident MiB", "peak MiB"]
-    head += [f"resident: {TIMES} fused AdamW's", f"peak: {TIMES} fused AdamW's"]
+    head += [f"resident: {TIMES} AdamW's", f"peak: {TIMES} AdamW's"]
     order = {key: i for i, key in enumerate([*MODEL, *MEMORY_VARIANTS])}  # models, then variants, as their tables
     ordered = sorted(rows.items(), key=lambda item: tuple(order.get(key, len(order)) for key in item[0]))
     text = table(head, [cells for _, cells in ordered], right=4)
@@ -1091,35 +687,17 @@ def memory() -> str:
     return text + "\n\n" + sources(names)
 
 
-#: Blocks that BENCHMARKS.md need not have yet (their measurement has no results there): rendered where it has them.
-OPTIONAL_BLOCKS = {"memory"}
-
 BLOCKS = {
     "end-to-end": end_to_end,
     "time-to-accuracy": time_to_accuracy,
     "learning-rate": learning_rate,
-    "several-gpus": several_gpus,
     "several-gpus-summary": several_gpus_summary,
-    "several-gpus-pairs": several_gpus_pairs,
     "scaling": scaling,
-    "cost-model": cost_model,
     "step-alone": step_alone,
-    "step-spread": step_spread,
     "cold-start": cold_start,
-    "design-phased": design_phased,
-    "design-magma": design_magma,
-    "design-families": design_families,
-    "cpu-step": cpu_step,
-    "cpu-train": cpu_train,
+    "cpu": cpu,
     "cpu-time-to-accuracy": cpu_time_to_accuracy,
-    "step-before-after": step_before_after,
-    "design-graph": design_graph,
-    "design-stacks": design_stacks,
-    "design-triton": design_triton,
-    "design-eager": design_eager,
     "multitask": multitask,
-    "design-ddp-split": design_ddp_split,
-    "design-alignment": design_alignment,
     "memory": memory,
 }
 
@@ -1129,8 +707,6 @@ def render(text: str) -> str:
     for name, make in BLOCKS.items():
         pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.S)
         if not pattern.search(text):
-            if name in OPTIONAL_BLOCKS:
-                continue
             raise SystemExit(f"BENCHMARKS.md has no block {name}")
         text = pattern.sub(lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text)
     return text

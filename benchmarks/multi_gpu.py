@@ -15,14 +15,12 @@ compiles the Triton kernels into Triton's cache. It reports:
   time of ``step()`` on each rank, the slowest rank's (the ZeroRedundancyOptimizer's step at
   stage 1, which includes its parameter broadcast); the JSON also has the mean, the host's
   time in ``step()`` (mean, worst) and how long slow steps held the host in all;
-* the final validation errors, and how far each stage's final parameters are from the
-  same variant's stage-0 run (same data order and gradients: the stages should agree up
-  to the rounding of the sharded arithmetic).
+* the final validation errors.
 
 Usage::
 
     python benchmarks/multi_gpu.py dpa2_small_water dpa3_water dpa4_water --gpus 2 --steps 80 --json out.json
-    python benchmarks/multi_gpu.py dpa2_small_water --variants ours --stages 0,1 --single   # plus a 1-GPU run
+    python benchmarks/multi_gpu.py dpa3_water --gpus 1 --stages 0,0 --variants ours,adamw,builtin   # one GPU
     python benchmarks/multi_gpu.py dpa4_water --stages 0,2,3,1 --no-ema   # DPA-4 at every stage (EMA off)
     python benchmarks/multi_gpu.py dpa2_small_water --stages 0,0,0,0 --variants ours,adamw   # stage 0, 4 pairs
 """
@@ -127,20 +125,6 @@ def _run(rundir: Path, cfg: dict[str, Any], variant: str, gpus: int, args: argpa
     return out
 
 
-def _params(rundir: Path, steps: int) -> dict[str, torch.Tensor]:
-    name = f"model.ckpt-{steps}.pt"
-    path = next(iter(sorted(rundir.rglob(name))), rundir / name)  # under the input's save_dir, if it has one (DPA-4)
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    return {k: v.double() for k, v in ckpt["model"].items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
-
-
-def _distance(a: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
-    diffs = [
-        float((v - ref[k]).norm() / max(float(ref[k].norm()), 1e-30)) for k, v in a.items() if k in ref and v.numel()
-    ]
-    return {"worst": max(diffs), "median": statistics.median(diffs)}
-
-
 def _fmt(x: float | None, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
@@ -162,7 +146,7 @@ def stage_keys(stages: list[int]) -> list[str]:
 
 
 def report(results: dict[str, Any]) -> str:
-    """Markdown tables of one results dict (per config: s/batch, optimizer step, errors, distances)."""
+    """Markdown tables of one results dict (per config: s/batch, optimizer step, errors)."""
     lines = []
     for config, per in results["configs"].items():
         runs = per["runs"]
@@ -185,9 +169,6 @@ def report(results: dict[str, Any]) -> str:
         problems = [f"- {label}: {r['problem']}" for label, r in runs.items() if "problem" in r]
         if problems:
             lines += ["", *problems]
-        if per.get("distances"):
-            lines += ["", "| run vs the same optimizer at stage 0 | worst ‖Δθ‖/‖θ‖ | median |", "|---|---:|---:|"]
-            lines += [f"| {k} | {d['worst']:.3g} | {d['median']:.3g} |" for k, d in per["distances"].items()]
         lines += ["", "run order: " + ", ".join(per["order"])]
     return "\n".join(lines)
 
@@ -203,7 +184,6 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--builtin-stages", default=None, help="stages of the built-in (default: --stages)")
     ap.add_argument("--skip", type=int, default=10, help="optimizer steps left out of the step time (warm-up)")
-    ap.add_argument("--single", action="store_true", help="also one 1-GPU run of ours per config")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "multi_gpu")
     ap.add_argument("--json", type=Path)
@@ -234,13 +214,13 @@ def main() -> int:
     for spec in args.configs:
         path = resolve_config(spec, args.config_dir)
         base = json.loads(path.read_text())
-        per: dict[str, Any] = {"config": shown(path), "runs": {}, "order": [], "distances": {}}
+        per: dict[str, Any] = {"config": shown(path), "runs": {}, "order": []}
         results["configs"][path.stem] = per
         stat = args.workdir / f"{path.stem}.stat.hdf5"
         # A 1-step run first computes the data statistics file that every timed run then loads
         # (a run that computes it ends on slightly different parameters) and waits for the
         # Triton kernels, which the timed runs then find in Triton's cache.
-        plan = [("warmup", 1, 0, "ours")] + ([("single-ours", 1, 0, "ours")] if args.single else [])
+        plan = [("warmup", 1, 0, "ours")]
         for stage, key in zip(stages, stage_keys(stages), strict=True):
             for variant in reversed(variants) if flip else variants:
                 if variant == "builtin" and stage not in builtin_stages:
@@ -257,17 +237,6 @@ def main() -> int:
             per["order"].append(label)
             run = per["runs"][label] = _run(args.workdir / path.stem / label, cfg, variant, gpus, args)
             print(f"[{path.stem} {label}] {json.dumps(run)}", flush=True)
-            # How far this run ends from the same optimizer's first-stage run (as each run ends, so
-            # that a call cut short keeps the distances of the runs it finished).
-            stage0 = f"stage{stages[0]}-{variant}"
-            ok = run.get("returncode") == 0 and per["runs"].get(stage0, {}).get("returncode") == 0
-            if label not in (stage0, "warmup") and ok:
-                try:
-                    ref = _params(args.workdir / path.stem / stage0, args.steps)
-                    mine = _params(args.workdir / path.stem / label, args.steps)
-                    per["distances"][f"{label} vs {stage0}"] = _distance(mine, ref)
-                except (OSError, RuntimeError, KeyError) as err:
-                    per["distances_error"] = f"{label}: {err}"
             if args.json:
                 write_json(args.json, results)
     text = report(results)

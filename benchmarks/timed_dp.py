@@ -14,23 +14,13 @@ the ``between`` lists time the rest of each training step (from the end of one `
 the start of the next: forward, backward, data, logging), on the GPU and on the host.
 
 With ``RECORD_MEMORY=1`` on CUDA the JSON also holds, under ``"_max_memory_allocated_mib"``, the
-peak of ``torch.cuda.max_memory_allocated()`` over the process (memory.py ``--train``).
-
-With ``HYBRIDMUON_IMPLEMENTATION=<name>`` (``optimizer.IMPLEMENTATIONS``: ``engine``,
-``engine-eager``, ``loop``) deepmd-hybridmuon's optimizer runs that implementation from its
-first step on: a diagnostic, e.g. to tell the CUDA graph's share of a difference.
+peak of ``torch.cuda.max_memory_allocated()`` over the process (a training run's peak).
 
 With ``WATCH_COMPILES=1`` the JSON also lists, under ``"_compiles"``, every Triton kernel this
 process compiled or loaded (``triton.knobs.compilation.listener``: kernel, cache hit or not,
 its specialization, and how many steps of our optimizer had run) and every host launcher it
 built with the C compiler (``triton.runtime.build._build``, with its seconds): the evidence
 of work done in the training process rather than in the compile process.
-
-With ``PROFILE_STEPS=0,1`` (indices of our optimizer's steps) those steps run under cProfile; the
-JSON holds, per step, its 40 costliest calls by cumulative time and 25 by own time under
-``"_step_profiles"``. With ``PROFILE_KERNELS=1`` as well, they run under torch's profiler instead
-(CUDA activity included): per step, its operators and kernels by device time, then by host time,
-each with their counts (where a sharded step spends its time: kernels, copies, collectives, host).
 
 With ``WAIT_FOR_KERNELS=<seconds>``, after the first step of deepmd-hybridmuon's optimizer
 the run waits (at most that long) for the Triton kernels to compile, so that they land in
@@ -108,7 +98,6 @@ def main() -> int:
     waiting = [float(os.environ["WAIT_FOR_KERNELS"])] if os.environ.get("WAIT_FOR_KERNELS") else []
     steps: dict[int, _Steps] = {}
     cuda = torch.cuda.is_available()
-    implementation = os.environ.get("HYBRIDMUON_IMPLEMENTATION")
     compiles: list[dict[str, Any]] = []
 
     def ours_steps() -> int:
@@ -116,15 +105,11 @@ def main() -> int:
 
     if os.environ.get("WATCH_COMPILES") == "1" and cuda:
         _watch_compiles(compiles, ours_steps)
-    wanted = {int(i) for i in os.environ.get("PROFILE_STEPS", "").split(",") if i.strip()}
-    profiling: dict[str, Any] = {"profile": None, "texts": {}}
 
     def ours(opt: torch.optim.Optimizer) -> bool:
         return type(opt).__module__.startswith("deepmd_hybridmuon")
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if implementation and type(opt).__module__.startswith("deepmd_hybridmuon"):
-            opt._implementation = implementation  # type: ignore[attr-defined]  (the tests' switch)
         start = torch.cuda.Event(enable_timing=True) if cuda else None
         if start is not None:
             start.record()
@@ -136,38 +121,8 @@ def main() -> int:
             if end is not None and start is not None:
                 entry.between.append((end, start))
         entry.open = (start, now)
-        if ours(opt) and ours_steps() in wanted:
-            if os.environ.get("PROFILE_KERNELS") == "1":
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                activities += [torch.profiler.ProfilerActivity.CUDA] if cuda else []
-                profiling["profile"] = torch.profiler.profile(activities=activities)
-                profiling["profile"].__enter__()
-            else:
-                import cProfile
-
-                profiling["profile"] = cProfile.Profile()
-                profiling["profile"].enable()
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if isinstance(profiling["profile"], torch.profiler.profile) and ours(opt):
-            if cuda:
-                torch.cuda.synchronize()  # the step's kernels inside the trace
-            profiling["profile"].__exit__(None, None, None)
-            table = profiling["profile"].key_averages().table
-            by_device = table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
-            profiling["texts"][ours_steps()] = by_device + "\n" + table(sort_by="self_cpu_time_total", row_limit=40)
-            profiling["profile"] = None
-        elif profiling["profile"] is not None and ours(opt):
-            import io
-            import pstats
-
-            profiling["profile"].disable()
-            text = io.StringIO()
-            stats = pstats.Stats(profiling["profile"], stream=text)
-            stats.sort_stats("cumulative").print_stats(70)
-            stats.sort_stats("tottime").print_stats(30)
-            profiling["profile"] = None
-            profiling["texts"][ours_steps()] = text.getvalue()
         entry = steps.get(id(opt))
         if entry is not None and entry.open is not None:
             start, t0 = entry.open
@@ -179,7 +134,7 @@ def main() -> int:
                 end.record()
                 entry.events.append((start, end))
             entry.open, entry.closed = None, (end, now)
-        if waiting and type(opt).__module__.startswith("deepmd_hybridmuon"):
+        if waiting and ours(opt):
             from deepmd_hybridmuon import kernels
 
             print(f"timed_dp: Triton kernels ready: {kernels.wait_ready(waiting.pop())}", flush=True)
@@ -209,8 +164,6 @@ def main() -> int:
                 times["_max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
             if compiles:
                 times["_compiles"] = compiles
-            if profiling["texts"]:
-                times["_step_profiles"] = profiling["texts"]
             path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(times))

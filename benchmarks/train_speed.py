@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,8 +83,6 @@ def run_variant(
     )
     env = prepare_run(rundir, cfg, variant == "builtin")
     cmd = [*dp, "--pt", "train", "input.json"]
-    if args.log_level:
-        cmd += ["-v", args.log_level]
     log_path = rundir / "train.log"
     print(f"[{variant}] {'DEEPMD_HYBRIDMUON_DISABLE=1 ' if variant == 'builtin' else ''}{shlex.join(cmd)}", flush=True)
     print(f"[{variant}]   in {rundir}", flush=True)
@@ -97,7 +94,7 @@ def run_variant(
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
-            if args.verbose or BATCH_RE.search(line) or AVERAGE_RE.search(line) or OURS_LOG_MARK in line:
+            if BATCH_RE.search(line) or AVERAGE_RE.search(line) or OURS_LOG_MARK in line:
                 print(f"[{variant}]   {line.rstrip()}", flush=True)
         rc = proc.wait()
     wall = time.perf_counter() - t0
@@ -130,25 +127,16 @@ def summary_table(results: list[dict[str, Any]]) -> str:
         return r["average_s_per_batch"] if r and not r["problems"] else None
 
     lines = [
-        "| variant | average (s/batch) | median interval (s/batch) | dp wall (s) | / AdamW | built-in / ours | notes |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| variant | average (s/batch) | dp wall (s) | / AdamW | built-in / ours | notes |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for r in results:
         a = r["average_s_per_batch"]
-        # per-batch time of the intervals after the first (which carries the start-up costs)
-        per = []
-        prev = 0
-        for step, wall in r["intervals"]:
-            if prev and step > prev:
-                per.append(wall / (step - prev))
-            prev = step
-        med = statistics.median(per) if per else None
         vs_adamw = a / avg("adamw") if a and avg("adamw") else None
         vs_ours = avg("builtin") / a if r["variant"] == "ours" and a and avg("builtin") else None
         cells = [
             r["variant"],
             "" if a is None else f"{a:.4f}",
-            "" if med is None else f"{med:.4f}",
             f"{r['process_wall_s']:.1f}",
             "" if vs_adamw is None else f"{vs_adamw:.2f}",
             "" if vs_ours is None else f"{vs_ours:.2f}",
@@ -174,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         help="extra key of the HybridMuon section (ours, builtin; repeatable; true/false/numbers/strings)",
     )
     ap.add_argument("--dp", default=None, help="dp command (default: dp next to this Python, else on PATH)")
-    ap.add_argument("--log-level", default=None, help="passed to dp as -v (e.g. DEBUG)")
-    ap.add_argument("--verbose", action="store_true", help="echo all of dp's output")
     ap.add_argument("--json", type=Path, help="write all numbers to this file")
     args = ap.parse_args(argv)
 

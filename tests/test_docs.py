@@ -24,11 +24,25 @@ def test_the_generator_is_deterministic():
 
 
 def test_every_source_names_machine_date_commit_and_command():
-    for name in sorted(p.name for p in (ROOT / "benchmarks" / "results").glob("*.json")):
-        if name == "provenance.json" or f"`{name}`" not in (ROOT / "BENCHMARKS.md").read_text():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*/*.json")):
+        if f"`{path.relative_to(path.parents[1]).as_posix()}`" not in text:
             continue
-        s = benchmarks_doc.source(name)
-        assert all(s.get(k) for k in ("machine", "date", "commit", "command")), name
+        s = benchmarks_doc.source(path.name)
+        assert all(s.get(k) for k in ("machine", "date", "commit", "command")), path.name
+
+
+def test_every_results_file_is_cited():
+    """A results file that neither document names is gone (git keeps it): one folder per question, nothing else."""
+    text = (ROOT / "BENCHMARKS.md").read_text() + (ROOT / "README.md").read_text()
+    named = set(re.findall(r"[\w.-]+\.(?:json|md|txt|png)", text))
+    patterns = [re.escape(p).replace(r"\*", r"[\w.-]*") for p in re.findall(r"[\w.-]*\*[\w.-]*\.\w+", text)]
+    results = ROOT / "benchmarks" / "results"
+    loose = [p.name for p in results.iterdir() if p.is_file() and p.name != "provenance.json"]
+    assert not loose, f"results files outside a question's folder: {loose}"
+    for path in results.glob("*/*"):
+        if path.name not in named and not any(re.fullmatch(p, path.name) for p in patterns):
+            raise AssertionError(f"{path.relative_to(ROOT)} is cited by neither BENCHMARKS.md nor README.md")
 
 
 def test_the_readme_figures_are_the_results():
