@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOC = HERE.parent / "BENCHMARKS.md"
 sys.path.insert(0, str(HERE))
+import guard  # noqa: E402
 import train_quality as quality  # noqa: E402
 
 TIMES, DASH = "\N{MULTIPLICATION SIGN}", "\N{EN DASH}"
@@ -40,6 +41,7 @@ MODEL = {
     "dpa3_water": "DPA-3 water",
     "dpa4_water": "DPA-4 water",
 }
+GUARD_MODELS = ("se_e2_a_water", "dpa2_small_water", "dpa3_water", "dpa4_water", "dpa3_large")
 
 
 @functools.cache
@@ -442,18 +444,56 @@ def step_medians(name: str, config: str) -> dict[str, float]:
     return {r["variant"]: r["median_ms"] for r in load(name)["configs"][config]["results"] if r.get("ok")}
 
 
-def _ms(x: float) -> str:
-    return f"{x:.3f}" if x < 1 else f"{x:.3g}" if x < 10 else f"{x:.1f}"
+def _guard_files(kind: str) -> list[str]:
+    """The guard's results of ``kind`` (``gpu`` or ``cpu``), oldest first: the newest is the one shown."""
+    return [p.name for p in sorted(RESULTS.glob(f"guard/guard_{kind}_*.json"))]
+
+
+def _rounds(values: list[float] | None, digits: int) -> str:
+    return "" if not values else ", ".join(f"{v:.{digits}f}" for v in values)
+
+
+def guard_cell(data: dict[str, Any], key: str, digits: int) -> str:
+    """One row of a guard file: HEAD's rounds vs base's, the ratio of their medians and, if not the same, the verdict
+    of :func:`guard.verdict` (a regression: the best HEAD round over 1.1x the worst base round)."""
+    by = data["rows"].get(key, {})
+    head, base = by.get("HEAD"), by.get("base")
+    if not (head and base):
+        return _rounds(head or base, digits)
+    word = guard.verdict(head, base).strip("*")
+    ratio = f"{statistics.median(head) / statistics.median(base):.2f}{TIMES}"
+    return f"{_rounds(head, digits)} vs {_rounds(base, digits)}: {ratio}" + ("" if word == "same" else f", {word}")
+
+
+def guard_table(kind: str, head: list[str], rows: list[tuple[str, list[tuple[str, int]]]]) -> str:
+    """The newest guard file of ``kind`` as a table: per row a label and a :func:`guard_cell` per column."""
+    if not _guard_files(kind):
+        return f"(no `guard/guard_{kind}_*.json` yet)"
+    name = _guard_files(kind)[-1]
+    data = load(name)
+    body = [[label, *(guard_cell(data, key, digits) for key, digits in cells)] for label, cells in rows]
+    return table(head, body, right=len(head)) + "\n\n" + sources([name])
 
 
 def step_alone() -> str:
-    when, rows = f"{source(STEP)['date'][:10]}, {commit(STEP)}", []
-    for config in load(STEP)["configs"]:
-        ms = step_medians(STEP, config)
-        cells = [_ms(ms[v]) for v in ("ours", "adamw", "builtin")]
-        rows.append([MODEL[config], when, *cells, ratio(ms["ours"], ms["adamw"]), ratio(ms["ours"], ms["builtin"])])
-    head = ["model", "date, commit", "ours median ms", "AdamW", "built-in", VS_ADAMW, VS_BUILTIN]
-    return table(head, rows, right=2) + "\n\n" + sources([STEP])
+    """The guard's step and memory on a GPU per model, then ``dp --pt train``'s figures: HEAD's rounds vs base's."""
+    cells = [("ours step_ms", 3), (f"ours\N{DIVISION SIGN}adamw step_ms", 2), ("ours resident_mib", 1)]
+    rows = [(MODEL.get(m, "DPA-3 large (9.5 M)"), [(f"{m}/{key}", d) for key, d in cells]) for m in GUARD_MODELS]
+    dp = [("dp first step cold host_ms", 0), ("dp first step warm host_ms", 0), ("dp peak peak_mib", 0)]
+    rows.append(("DPA-3 water `dp --pt train`", [*dp, ("dp DPA-3 water s_per_batch", 4)]))
+    head = ["HEAD vs base (rounds)", "step ms", f"{TIMES} AdamW's step", "memory alone, MiB"]
+    text = guard_table("gpu", head, rows[:-1])
+    dp_head = ["HEAD vs base (rounds)", "first step ms, cold", "warm", "peak MiB", "s/batch"]
+    return text.split("\n\nSources")[0] + "\n\n" + guard_table("gpu", dp_head, rows[-1:])
+
+
+def guard_cpu() -> str:
+    """The guard's CPU rows: the step at one thread, against the built-in's, and the parity rows."""
+    rows = [(MODEL[m], [(f"{m}/ours step_ms", 1), (f"{m}/ours\N{DIVISION SIGN}builtin step_ms", 2)])
+            for m in ("se_e2_a_water", "dpa3_water")]  # fmt: skip
+    parity = ("DPA-2 small: against the built-in after 6 steps, % (defaults; `enable_gram` off)", 2)
+    rows.append((parity[0], [("parity defaults distance_pct", 2), ("parity no gram distance_pct", 2)]))
+    return guard_table("cpu", ["HEAD vs base (rounds)", "CPU step ms", f"{TIMES} the built-in's step"], rows)
 
 
 # ------------------------------------------------------------------------------- CPU
@@ -542,38 +582,6 @@ def cpu_time_to_accuracy() -> str:
 
 # ------------------------------------------------------------------------------- cold start
 
-COLD = ["cold_start_dpa3_dpa4_h200_2026-11-28.json"]
-
-
-def cold_start() -> str:
-    rows = []
-    for name in COLD:
-        for r in load(name)["runs"]:
-            rows.append(
-                [
-                    r["config"].replace("_", " "),
-                    f"{r['cache']} Triton cache",
-                    f"{r['first_step_ms']:.0f}",
-                    f"{r['slowest_later_step_ms']:,.0f} (step {r['slowest_later_step']})",
-                    str(r["steps_over_100ms_after_first"]),
-                    str(r["kernels_from_step"]),
-                    f"{r['s_per_batch']:.4f}",
-                    f"{sum(r['host_ms']):,.0f}",
-                    str(len(r.get("compiled_in_training_process") or [])),
-                ]
-            )
-    head = [
-        "model",
-        "run",
-        "first step ms",
-        "slowest later step ms",
-        "later steps > 100 ms",
-        "Triton kernels from step",
-        "s/batch",
-        "all optimizer steps, host ms",
-        "kernels compiled in training process",
-    ]
-    return table(head, rows, right=2) + "\n\n" + sources(COLD)
 
 
 #: Multi-task: the engine built again at each change of the parameters with a gradient (old: bd35792) or masked (new).
@@ -694,7 +702,7 @@ BLOCKS = {
     "several-gpus-summary": several_gpus_summary,
     "scaling": scaling,
     "step-alone": step_alone,
-    "cold-start": cold_start,
+    "guard-cpu": guard_cpu,
     "cpu": cpu,
     "cpu-time-to-accuracy": cpu_time_to_accuracy,
     "multitask": multitask,

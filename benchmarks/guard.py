@@ -327,7 +327,8 @@ def main() -> int:
     parser.add_argument("--only", default="step,dp", help="GPU parts: step (and memory), dp")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--parallel", action="store_true", help="a round's jobs side by side, one GPU each")
-    parser.add_argument("--out", type=Path, help="write OUT.md (the table) and OUT.json (every round)")
+    parser.add_argument("--out", type=Path, help="a JSON file: every round of every row, machine, date, commits")
+    parser.add_argument("--commit", help="HEAD's commit where git cannot tell (the device machine)")
     parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     if len(sys.argv) > 1 and sys.argv[1] == "--dp-wrapper":
@@ -373,15 +374,18 @@ def main() -> int:
             for row, value in rows_of(result).items():
                 # AdamW and the built-in run beside either version: shown as HEAD's and base's rounds alike
                 results.setdefault(row, {}).setdefault(label, []).append(value)
-    machine = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores, 1 thread"
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    title = f"HEAD {head.strip() or '(no git)'} against {ref}, {machine}, {started}, {args.rounds} rounds"
-    text = f"{title}\n\n{table(results)}\n"
-    print(text)
+    side = f", {len(jobs)} jobs side by side, one GPU each" if cuda and args.parallel and gpus >= len(jobs) else ""
+    machine = f"{gpus} x {torch.cuda.get_device_name()}{side}" if cuda else f"CPU, {os.cpu_count()} cores, 1 thread"
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    head = git.strip() or args.commit or "not recorded"
+    print(f"HEAD {head} against {ref}, {machine}, {started}, {args.rounds} rounds\n\n{table(results)}")
     if args.out:
+        # the command as run from the repository (a path outside it, such as the device's $OUT, by its name)
+        shown = [a if not a.startswith("/") or a.startswith(str(ROOT)) else Path(a).name for a in sys.argv[1:]]
+        command = " ".join(["python benchmarks/guard.py", *(a.replace(f"{ROOT}/", "") for a in shown)])
+        about = {"machine": machine, "date": started, "commit": head, "base": ref, "rounds": args.rounds}
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text(f"# {text}\nCommand: `{' '.join(sys.argv)}`\n")
-        args.out.with_suffix(".json").write_text(json.dumps({"title": title, "rows": results}, indent=1))
+        args.out.write_text(json.dumps({**about, "command": command, "rows": results}, indent=1))
     return 0
 
 
