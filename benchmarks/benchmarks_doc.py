@@ -477,7 +477,7 @@ def guard_table(kind: str, head: list[str], rows: list[tuple[str, list[tuple[str
 
 def step_alone() -> str:
     """The guard's step and memory on a GPU per model, then ``dp --pt train``'s figures: HEAD's rounds vs base's."""
-    cells = [("ours step_ms", 3), (f"ours\N{DIVISION SIGN}adamw step_ms", 2), ("ours resident_mib", 1)]
+    cells = [("ours step_ms", 3), ("ours\N{DIVISION SIGN}adamw step_ms", 2), ("ours resident_mib", 1)]
     rows = [(MODEL.get(m, "DPA-3 large (9.5 M)"), [(f"{m}/{key}", d) for key, d in cells]) for m in GUARD_MODELS]
     dp = [("dp first step cold host_ms", 0), ("dp first step warm host_ms", 0), ("dp peak peak_mib", 0)]
     rows.append(("DPA-3 water `dp --pt train`", [*dp, ("dp DPA-3 water s_per_batch", 4)]))
@@ -581,7 +581,6 @@ def cpu_time_to_accuracy() -> str:
 
 
 # ------------------------------------------------------------------------------- cold start
-
 
 
 #: Multi-task: the engine built again at each change of the parameters with a gradient (old: bd35792) or masked (new).
