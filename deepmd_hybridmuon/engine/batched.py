@@ -107,12 +107,12 @@ class BatchedStep:
         their shorter step count.
         """
         s = self.settings = F.GroupSettings.of(group)  # read again by subclasses' phases (FSDP2's owners)
-        neg_steps, bc2 = [], []
+        neg_steps, bc2, lr = [], [], s.adam_lr
         for st, stepped in zip(self.layout.adam_states, present, strict=False):  # the Adam parameters come first
             neg_step, divisor = 0.0, 1.0  # a parameter without a gradient: its powers are not read
             if stepped:
                 advance_powers(st, s)
-                neg_step, divisor = F.adam_bias_corrected(s.adam_lr, st["beta1_pow"], st["beta2_pow"])
+                neg_step, divisor = F.adam_bias_corrected(lr, st["beta1_pow"], st["beta2_pow"])
             neg_steps.append(neg_step)
             bc2.append(divisor)
         param_dtype = [s.muon_decay, -s.lr, s.adamw_decay]  # PARAM_DTYPE_SCALARS
