@@ -213,7 +213,8 @@ def time_to_accuracy() -> str:
 
 
 def learning_rate() -> str:
-    rows = []
+    """One row per model and optimizer: each start_lr's final validation force error (complete runs), test RMSE."""
+    rows: dict[tuple[str, str], list[str]] = {}
     for name in QUALITY:
         runs, force, kind, _target = _quality(name)
         for _label, rs in sorted(
@@ -224,25 +225,11 @@ def learning_rate() -> str:
                 continue
             value = quality._mean_sd([quality._final(r["lcurve"], force) for r in full], 1e3, "{:.1f}")
             tests = [r["test"]["rmse_f"] for r in full if (r.get("test") or {}).get("rmse_f") is not None]
-            rows.append(
-                [
-                    MODEL[rs[0]["config"]],
-                    optimizer_name(rs[0]),
-                    f"{rs[0]['start_lr']:g}",
-                    f"{len(full)}/{len(rs)}",
-                    f"{value} ({kind})",
-                    quality._mean_sd(tests, 1e3, "{:.1f}") if tests else "",
-                ]
-            )
-    head = [
-        "model",
-        "optimizer",
-        "start_lr",
-        "complete runs",
-        "final validation force error (meV/Å)",
-        "test force RMSE",
-    ]
-    return table(head, rows, right=2)  # its sources are the table's above
+            test = f", test {quality._mean_sd(tests, 1e3, '{:.1f}')}" if tests else ""
+            cell = f"{rs[0]['start_lr']:g}: {value} {kind} ({len(full)}/{len(rs)}{test})"
+            rows.setdefault((MODEL[rs[0]["config"]], optimizer_name(rs[0])), []).append(cell)
+    head = ["model", "optimizer", "start_lr: final validation force error, meV/Å (complete runs, test force RMSE)"]
+    return table([*head], [[*key, "; ".join(cells)] for key, cells in rows.items()], right=2)
 
 
 # ------------------------------------------------------------------------------ several GPUs
