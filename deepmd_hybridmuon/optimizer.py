@@ -210,8 +210,11 @@ class HybridMuonOptimizer(Optimizer):
 
     Differences from the built-in, all fixes: float64 models resume (moments are cast back to float32 after
     ``load_state_dict``); ``add_param_group`` works after the first step; every hyperparameter is validated here with a
-    ``ValueError``; size-0 parameters and those without a gradient (frozen ones) are skipped; no ``torch.compile`` (no
-    seconds of compilation at the first step) and no import-time side effects; a step whose gradients hold NaN or inf,
+    ``ValueError`` (a param_group key that names a setting otherwise, ``adam_lr`` or ``betas``, too:
+    :data:`~deepmd_hybridmuon.validation.MISNAMED_KEYS`; another key unknown to HybridMuon and torch is kept and
+    ignored, with one ``UserWarning``); size-0 parameters and those without a gradient (frozen ones) are skipped; no
+    ``torch.compile`` (no seconds of compilation at the first step; ``torch.compile(optimizer.step)`` runs the step
+    as it is) and no import-time side effects; a step whose gradients hold NaN or inf,
     or elements too large for the arithmetic (2^127 and more; 2^63 and more on an Adam route), is skipped (parameters,
     moments, momentum and Magma scores unchanged, decided on the device; see
     :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor) parameters work, each Muon matrix orthogonalised

@@ -252,13 +252,14 @@ def test_good_arguments_are_accepted(kwargs: dict, check) -> None:
 
 def test_scheduler_keys_are_allowed() -> None:
     p = _param()
+    # a label is kept and ignored, with a warning (once with Python's default filter; pytest shows every one)
     with pytest.warns(UserWarning, match="param_group key 'name' is no HybridMuon setting: kept and ignored"):
         opt = HybridMuonOptimizer([{"params": [p], "name": "matrices"}], lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    assert opt.param_groups[0]["initial_lr"] == 1e-3
-    p.grad = torch.ones_like(p)
-    opt.step()
-    scheduler.step()
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        assert opt.param_groups[0]["initial_lr"] == 1e-3
+        p.grad = torch.ones_like(p)
+        opt.step()
+        scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
 
 
