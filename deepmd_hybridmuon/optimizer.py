@@ -29,6 +29,7 @@ from .state import check_sizes, check_state_dict, own_memory, saved_params
 from .validation import (
     REMOVED_KEYS,
     check_gradients,
+    check_names,
     check_option,
     check_parameters,
     check_removed,
@@ -297,7 +298,8 @@ class HybridMuonOptimizer(Optimizer):
         group = self.param_groups[-1]
         try:
             validate_group(group)
-            check_parameters(group["params"], len(self.param_groups) - 1, group.get("param_names"))
+            check_parameters(group["params"], len(self.param_groups) - 1)
+            check_names(group.get("param_names"), len(group["params"]), f"param_group {len(self.param_groups) - 1}")
         except ValueError:
             self.param_groups.pop()
             raise

@@ -22,7 +22,7 @@ import torch
 from . import functional as F
 from .dtensor import is_dtensor, laid_out_like, local_shard
 from .options import OPTIMIZER_KEYS, OPTION
-from .validation import ALIASES, GROUP_KEYS, LEGACY_KEYS, resolve_legacy_keys, validate_group
+from .validation import ALIASES, GROUP_KEYS, LEGACY_KEYS, check_names, resolve_legacy_keys, validate_group
 
 #: State of an Adam-routed parameter: all four keys, or none.
 ADAM_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "beta1_pow", "beta2_pow")
@@ -159,9 +159,7 @@ def _check_group(index: int, saved: Any, count: int) -> None:
     if not isinstance(saved.get("params"), Sequence) or len(saved["params"]) != count:
         got = len(saved["params"]) if isinstance(saved.get("params"), Sequence) else "no list of"
         raise ValueError(f"Invalid {where}: {got} parameters; this optimizer's group {index} has {count}")
-    names = saved.get("param_names")
-    if names is not None and (not isinstance(names, Sequence) or isinstance(names, str) or len(names) != count):
-        raise ValueError(f"Invalid {where}: param_names {names!r:.200}; expected one name per parameter ({count})")
+    check_names(saved.get("param_names"), count, f"{where} of the state dict")
     try:
         # a copy (validate_group normalises muon_mode in place), without the constructor's other
         # keywords, which ZeroRedundancyOptimizer writes into its param_groups

@@ -111,9 +111,8 @@ def check_option(option: Option, value: Any, key: str | None = None) -> None:
         if not isinstance(value, bool):
             raise ValueError(f"Invalid {key}: {value!r}; expected true or false")
     else:  # a finite real in [low, high] (or [low, high)); a NumPy number or a one-element tensor without grad too
-        scalar = isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad
-        if scalar and (value.is_meta or value.is_complex()):  # no number to read
-            scalar = False
+        tensor = isinstance(value, torch.Tensor)
+        scalar = tensor and value.numel() == 1 and not (value.requires_grad or value.is_meta or value.is_complex())
         if not scalar and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
             raise ValueError(f"Invalid {key}: {_short(value)}; expected a real number")
         number, low, high = _float(value), option.low, option.high
@@ -246,19 +245,18 @@ def _torch_hyperparameters() -> frozenset[str]:
     return frozenset(names - set(GROUP_KEYS) - {"params", "self", "defaults"})
 
 
-def check_parameters(params: Sequence[torch.Tensor], group_index: int, names: Any = None) -> None:
+def check_names(names: Any, count: int, where: str) -> None:
+    """Raise ``ValueError`` unless ``names`` (the ``param_names`` of ``where``, if any) name ``count`` parameters."""
+    if names is not None and (not isinstance(names, Sequence) or isinstance(names, str) or len(names) != count):
+        raise ValueError(f"Invalid param_names of {where}: {_short(names)}; expected one name per parameter ({count})")
+
+
+def check_parameters(params: Sequence[torch.Tensor], group_index: int) -> None:
     """Raise ``ValueError`` unless the parameters of param_group ``group_index`` are real floating point, each once.
 
     Complex parameters would lose their imaginary part in the Adam moments (float32) and Newton–Schulz (real matrices);
-    integer ones cannot take a gradient step. A parameter listed twice would take two steps with one state. ``names``:
-    the group's ``param_names`` if it has them, one per parameter.
+    integer ones cannot take a gradient step. A parameter listed twice would take two steps with one state.
     """
-    if names is not None and (not isinstance(names, Sequence) or isinstance(names, str) or len(names) != len(params)):
-        count = len(names) if isinstance(names, Sequence) and not isinstance(names, str) else "no list of"
-        raise ValueError(
-            f"Invalid param_names of param_group {group_index}: {_short(names)} ({count} names); expected one name "
-            f"per parameter ({len(params)})"
-        )
     first: dict[int, int] = {}
     for i, p in enumerate(params):
         if not p.is_floating_point():

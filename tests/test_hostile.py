@@ -850,7 +850,7 @@ def test_a_value_without_a_number_is_named_in_the_message(implementation, option
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_param_names_of_another_length_are_refused_before_anything_changes(implementation):
     w1, w2, w3 = (torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3))
-    message = "Invalid param_names of param_group 0: ['w1'] (1 names); expected one name per parameter (2)"
+    message = "Invalid param_names of param_group 0: ['w1']; expected one name per parameter (2)"
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         HybridMuonOptimizer([{"params": [w1, w2], "param_names": ["w1"]}])
     opt = make_optimizer([{"params": [w1], "param_names": ["w1"]}], implementation)
@@ -862,6 +862,10 @@ def test_param_names_of_another_length_are_refused_before_anything_changes(imple
         w.grad = torch.ones_like(w)
     opt.step()
     assert torch.equal(w2, before[0]) and torch.equal(w3, before[1])  # they are no part of the optimizer
+    saved = _edit(("param_groups", 0, "param_names"), ["w1", "w2"])(opt.state_dict())
+    message = "Invalid param_names of param_groups[0] of the state dict: ['w1', 'w2']; expected one name per parameter"
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        opt.load_state_dict(saved)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
