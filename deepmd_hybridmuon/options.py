@@ -75,7 +75,7 @@ class Option:
         if self.choices:
             return "expected one of " + ", ".join(map(repr, self.choices))
         if self.least:
-            return f"expected a number <= 0 or >= {self.least:g}"
+            return f"expected a finite number <= 0 or >= {self.least:g}"
         if self.low == -math.inf:
             return "expected a finite number"
         if self.high is None:

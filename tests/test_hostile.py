@@ -789,7 +789,7 @@ def test_tensor_betas_changed_in_place_are_checked_at_the_next_step(implementati
 OVERFLOWING = [
     ("weight_decay", 1e308, "expected a value in [0, 1e+08]"),
     ("lr_adjust_coeff", 1e308, "expected a value in [0, 1e+08]"),
-    ("lr_adjust", 5e-324, "expected a number <= 0 or >= 1e-08"),
+    ("lr_adjust", 5e-324, "expected a finite number <= 0 or >= 1e-08"),
     ("lr", 1e308, "expected a value in [0, 1e+08]"),
 ]
 
