@@ -12,6 +12,7 @@ import inspect
 import math
 import numbers
 import reprlib
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -115,7 +116,8 @@ def check_option(option: Option, value: Any, key: str | None = None) -> None:
         scalar = tensor and value.numel() == 1 and not (value.requires_grad or value.is_meta or value.is_complex())
         if not scalar and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
             raise ValueError(f"Invalid {key}: {_short(value)}; expected a real number")
-        number, low, high = _float(value), option.low, option.high
+        huge = isinstance(value, int) and abs(value) > sys.float_info.max  # 10**400: no float
+        number, low, high = math.inf if huge else float(value), option.low, option.high
         if not math.isfinite(number):
             raise ValueError(f"Invalid {key}: {_short(value)}; expected a finite number")
         if 0 < number < option.least:
@@ -123,14 +125,6 @@ def check_option(option: Option, value: Any, key: str | None = None) -> None:
         if number < low or (high is not None and (number >= high if option.high_open else number > high)):
             upper = "inf)" if high is None else f"{high:g}{')' if option.high_open else ']'}"
             raise ValueError(f"Invalid {key}: {value!r}; expected a value in [{low:g}, {upper}")
-
-
-def _float(value: Any) -> float:
-    """``float(value)``, infinity for an integer beyond float's range (``10**400``)."""
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
 
 
 _REPR = reprlib.Repr()
