@@ -46,11 +46,13 @@ STATE_RANGES: dict[str, tuple[float, float]] = {
     "momentum_buffer": (-F.GRAD_LIMIT, F.GRAD_LIMIT),
     "magma_score": (0.0, 1.0),
 }
-#: And jointly, element by element: ``|exp_avg| <= ADAM_RATIO_LIMIT * (sqrt(exp_avg_sq) + ADAM_EPS)``. A run's first
-#: moment is a blend of the gradients whose squares blend into the second (``|exp_avg| <= 1.2 sqrt(exp_avg_sq)`` at the
-#: default betas); where ``exp_avg_sq`` is 0 every gradient was (about) 0. A larger ratio would overflow the increment
-#: ``exp_avg / (sqrt(exp_avg_sq) + eps)``: ``exp_avg`` 9e18 with ``exp_avg_sq`` 0 gave -inf at a zero gradient.
-ADAM_RATIO_LIMIT: float = F.ADAM_GRAD_LIMIT
+#: And jointly, element by element: ``|exp_avg| <= ADAM_RATIO_LIMIT * (sqrt(exp_avg_sq) + ADAM_EPS)``. A run's
+#: first moment is a blend of the gradients whose squares blend into the second: ``|exp_avg| <= 1.2 sqrt(exp_avg_sq)``
+#: at the default betas (a bounded multiple whenever beta1^2 < beta2), and where ``exp_avg_sq`` is 0 so is every
+#: gradient (up to float32's underflow). Only beta1^2 > beta2 and hundreds of zero gradients after a huge one come
+#: near the limit. A larger ratio overflows the increment ``lr * exp_avg / (sqrt(exp_avg_sq) + eps)``: ``exp_avg``
+#: 9e18 where ``exp_avg_sq`` is 0 gave -inf parameters at a zero gradient.
+ADAM_RATIO_LIMIT: float = 1e30
 
 
 def check_state_dict(
