@@ -190,8 +190,11 @@ def revalidate(group: dict[str, Any], before: tuple | None, settings: Mapping[st
         check_settings(group, settings)
         return values, others
     for key, old, new in zip(_CHECKED_KEYS, before[0], values, strict=True):
-        # a checked value is never NaN, so a NaN always differs; another type (a NumPy array) is checked
-        if _tensors(new) or (old is not new and (_tensors(old) or type(old) is not type(new) or old != new)):
+        if old is new and type(new) in _PLAIN:
+            continue
+        # the same object is checked again if it holds a tensor; a checked value is never NaN, so a NaN always
+        # differs; another type (a NumPy array) is checked
+        if _tensors(new) if old is new else _tensors(old) or _tensors(new) or type(old) is not type(new) or old != new:
             if key not in group:
                 validate_group(group)  # says which key is missing
             elif key in settings:
@@ -203,9 +206,15 @@ def revalidate(group: dict[str, Any], before: tuple | None, settings: Mapping[st
     return values, others
 
 
+#: Types whose objects never change: the same one is the same value.
+_PLAIN = frozenset({float, int, bool, str, type(None)})
+
+
 def _tensors(value: Any) -> bool:
     """Whether ``value`` is a tensor or a tuple holding one."""
-    return isinstance(value, torch.Tensor) or (isinstance(value, tuple) and any(map(torch.is_tensor, value)))
+    if isinstance(value, tuple):
+        return any([isinstance(item, torch.Tensor) for item in value])
+    return isinstance(value, torch.Tensor)
 
 
 def misread_keys(group: Mapping[str, Any]) -> list[tuple[str, str]]:
