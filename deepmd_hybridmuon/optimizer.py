@@ -25,13 +25,15 @@ from . import distributed, loop
 from . import functional as F
 from .engine import GroupEngine, compilation
 from .options import GROUP_KEYS, OPTIMIZER_KEYS, OPTION, SETTINGS, option_doc
-from .state import check_sizes, check_state_dict, saved_params
+from .state import check_sizes, check_state_dict, own_memory, saved_params
 from .validation import (
     REMOVED_KEYS,
     check_gradients,
+    check_names,
     check_option,
     check_parameters,
     check_removed,
+    check_settings,
     revalidate,
     validate_group,
 )
@@ -209,8 +211,11 @@ class HybridMuonOptimizer(Optimizer):
 
     Differences from the built-in, all fixes: float64 models resume (moments are cast back to float32 after
     ``load_state_dict``); ``add_param_group`` works after the first step; every hyperparameter is validated here with a
-    ``ValueError``; size-0 parameters and those without a gradient (frozen ones) are skipped; no ``torch.compile`` (no
-    seconds of compilation at the first step) and no import-time side effects; a step whose gradients hold NaN or inf,
+    ``ValueError`` (a param_group key that names a setting otherwise, ``adam_lr`` or ``betas``, too:
+    :data:`~deepmd_hybridmuon.validation.MISNAMED_KEYS`; another key unknown to HybridMuon and torch is kept and
+    ignored, with one ``UserWarning``); size-0 parameters and those without a gradient (frozen ones) are skipped; no
+    ``torch.compile`` (no seconds of compilation at the first step; ``torch.compile(optimizer.step)`` runs the step
+    as it is) and no import-time side effects; a step whose gradients hold NaN or inf,
     or elements too large for the arithmetic (2^127 and more; 2^63 and more on an Adam route), is skipped (parameters,
     moments, momentum and Magma scores unchanged, decided on the device; see
     :func:`deepmd_hybridmuon.functional.finite_gate`); FSDP2 (DTensor) parameters work, each Muon matrix orthogonalised
@@ -283,27 +288,37 @@ class HybridMuonOptimizer(Optimizer):
         Keys of the constructor that are no group hyperparameters (``flash_muon``, ``use_foreach``,
         ``nonfinite_across_ranks``) are dropped: ``ZeroRedundancyOptimizer`` copies every constructor keyword into the
         groups it hands to its local optimizer. A value other than the optimizer's own is refused: it would not apply to
-        the group, and so is a removed option (``ddp_split``).
+        the group (:func:`~.validation.check_settings`, also at ``step()``), and so is a removed option (``ddp_split``).
+        Nothing is added when a check fails.
         """
         check_removed(param_group)
-        for key in SETTINGS:
-            if key in param_group and param_group[key] != getattr(self, key):
-                raise ValueError(
-                    f"Invalid param_group key {key}: {param_group[key]!r}; it is a setting of the whole optimizer "
-                    f"({getattr(self, key)!r} here), given to the constructor, not per param_group"
-                )
+        check_settings(param_group, self._settings())
         param_group = {k: v for k, v in param_group.items() if k not in OPTIMIZER_KEYS}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             validate_group(group)
             check_parameters(group["params"], len(self.param_groups) - 1)
+            check_names(group.get("param_names"), len(group["params"]), f"param_group {len(self.param_groups) - 1}")
         except ValueError:
             self.param_groups.pop()
             raise
-        # torch's named parameters (``HybridMuonOptimizer(model.named_parameters())``) route by their names too
-        names = group.get("param_names", [None] * len(group["params"]))  # torch checks that there is one per parameter
-        self._param_names.update((id(p), str(n)) for n, p in zip(names, group["params"], strict=True) if n is not None)
+        self._name_from_groups([group])
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings of the whole optimizer (``flash_muon``, ...), by key."""
+        return {key: getattr(self, key) for key in SETTINGS}
+
+    def _name_from_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Name each parameter of ``groups`` that has no name by its group's ``param_names`` (torch's named parameters).
+
+        ``HybridMuonOptimizer(model.named_parameters())`` and a state dict saved with names then route by them.
+        """
+        for group in groups:
+            for n, p in zip(group.get("param_names") or [None] * len(group["params"]), group["params"], strict=True):
+                if n is not None and id(p) not in self._param_names:
+                    self._param_names[id(p)] = str(n)
+                    self._names_version += 1
 
     def set_param_names(self, named_parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Give parameters names for name-based routing (in place of those of ``param_groups``' ``param_names``).
@@ -433,21 +448,27 @@ class HybridMuonOptimizer(Optimizer):
         Everything is checked first (:func:`deepmd_hybridmuon.state.check_state_dict`): a state dict of another
         optimizer, group values the constructor would refuse, or state of the wrong keys, shape or dtype raise a
         ``ValueError`` and leave this optimizer as it was. An option the writer did not have (an older version, deepmd's
-        built-in) takes its default. The hooks of ``register_load_state_dict_pre_hook`` run before the checks, once.
+        built-in) takes its default. The hooks of ``register_load_state_dict_pre_hook`` run before the checks, once;
+        those of ``register_load_state_dict_post_hook`` last, on the state as the step reads it (their edits stay).
+        A parameter without a name takes the one its saved group's ``param_names`` gives it, and routes as it did.
         """
         hooks = self._optimizer_load_state_dict_pre_hooks
+        post_hooks = self._optimizer_load_state_dict_post_hooks
         if hooks and isinstance(state_dict, Mapping):  # they adapt what was saved: as torch runs them, before checks
             state_dict = dict(state_dict)
             for hook in hooks.values():
                 result = hook(self, state_dict)
                 state_dict = state_dict if result is None else result
         checked = check_state_dict(state_dict, self.param_groups, self._describe)
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # run once, above
+        # the pre-hooks ran once, above; the post-hooks run below, on the state as the step reads it
+        self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_post_hooks = OrderedDict()
         try:
             super().load_state_dict(checked)
         finally:
             self._optimizer_load_state_dict_pre_hooks = hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         self._state_version += 1
+        self._name_from_groups(self.param_groups)  # saved with names: a parameter without one routes as it did
         for i, p in saved_params(checked["param_groups"], self.param_groups).items():
             state, saved = self.state.get(p, {}), checked["state"].get(i, {})
             for key in ("beta1_pow", "beta2_pow"):  # floats, as the step reads them (the check allows a tensor)
@@ -460,12 +481,20 @@ class HybridMuonOptimizer(Optimizer):
                 if p.dtype.itemsize < 4:
                     value = saved[key].to(device=value.device, copy=True)
                 state[key] = value.to(torch.float32)
+        own_memory(self.state, [p for group in self.param_groups for p in group["params"]])
+        for hook in post_hooks.values():
+            hook(self)
 
     # -------------------------------------------------------------------- step
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Perform one optimisation step; ``closure`` re-evaluates the loss if given."""
+        """Perform one optimisation step; ``closure`` re-evaluates the loss if given.
+
+        ``torch.compile`` runs it as it is (``torch.compiler.disable``): it batches its own work into few kernels,
+        Triton's and CUDA graphs on a GPU, which tracing would rebuild at every change of a learning rate.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -473,9 +502,10 @@ class HybridMuonOptimizer(Optimizer):
         with _outside_device_context():
             # What changed in each group since the last step, validated as the constructor does, before any
             # parameter changes.
+            settings = self._settings()
             for index, group in enumerate(self.param_groups):
                 try:
-                    self._checked[index] = revalidate(group, self._checked.get(index))
+                    self._checked[index] = revalidate(group, self._checked.get(index), settings)
                 except ValueError as err:
                     raise ValueError(f"{err} (in param_groups[{index}] at step(); nothing was changed)") from None
             check_gradients(self.param_groups)

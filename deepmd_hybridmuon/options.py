@@ -48,6 +48,8 @@ class Option:
         Whether ``name`` is a key of the input's ``optimizer`` section.
     items
         For a tuple value: one row per item, each an input key of its own.
+    least
+        The smallest positive value allowed; a positive one below it is refused (0: no such bound).
     """
 
     name: str
@@ -63,6 +65,7 @@ class Option:
     alias: tuple[str, ...] = ()
     input_key: bool = True
     items: tuple[Option, ...] = ()
+    least: float = 0.0
 
     @property
     def allowed(self) -> str:
@@ -71,6 +74,8 @@ class Option:
             return self.doc
         if self.choices:
             return "expected one of " + ", ".join(map(repr, self.choices))
+        if self.least:
+            return f"expected a finite number <= 0 or >= {self.least:g}"
         if self.low == -math.inf:
             return "expected a finite number"
         if self.high is None:
@@ -83,6 +88,11 @@ def _unit(name: str, default: float, doc: str, **more: Any) -> Option:
 
 
 _NULL = type(None)
+#: The bound of the settings that scale a step: ``lr``, ``weight_decay`` and ``lr_adjust_coeff`` are at most
+#: ``RATE_LIMIT`` and a positive ``lr_adjust`` at least ``1 / RATE_LIMIT``. The step's factors (``lr * weight_decay``,
+#: ``lr / lr_adjust * weight_decay``, ``lr * lr_adjust_coeff * sqrt(n)``) then stay below 1e25, far inside float32's
+#: and bfloat16's range (3.4e38): a larger setting overflowed the first step into inf and NaN parameters.
+RATE_LIMIT = 1e8
 _BETAS = (
     _unit("adam_beta1", 0.9, "Adam beta1 of the Adam/AdamW routes (biases, 1-D tensors, adam_/adamw_ names)."),
     _unit("adam_beta2", 0.95, "Adam beta2 of the Adam/AdamW routes."),
@@ -90,7 +100,15 @@ _BETAS = (
 
 #: Every option, in the schema's order.
 OPTIONS: tuple[Option, ...] = (
-    Option("lr", (float,), 5e-4, "Learning rate (from deepmd's learning_rate section).", low=0.0, input_key=False),
+    Option(
+        "lr",
+        (float,),
+        5e-4,
+        "Learning rate (from deepmd's learning_rate section).",
+        low=0.0,
+        high=RATE_LIMIT,
+        input_key=False,
+    ),
     _unit(
         "momentum",
         0.95,
@@ -112,6 +130,7 @@ OPTIONS: tuple[Option, ...] = (
         "Decoupled weight decay p <- p*(1 - lr*weight_decay) of the Muon and AdamW routes "
         "(AdamW uses the Adam learning rate). Adam-routed parameters are never decayed.",
         low=0.0,
+        high=RATE_LIMIT,
     ),
     Option(
         "lr_adjust",
@@ -120,6 +139,7 @@ OPTIONS: tuple[Option, ...] = (
         "<= 0: Muon update scale lr_adjust_coeff*sqrt(max(m, n)) (matches Adam's update RMS, so Adam learning rates "
         "carry over) and Adam at lr. > 0: Muon scale sqrt(max(1, m/n)) and Adam at lr/lr_adjust.",
         effect="build",
+        least=1 / RATE_LIMIT,
     ),
     Option(
         "lr_adjust_coeff",
@@ -128,6 +148,7 @@ OPTIONS: tuple[Option, ...] = (
         "Coefficient of the match-RMS Muon scale when lr_adjust <= 0 (0.18: DeepSeek-V4; Moonlight uses 0.2).",
         effect="build",
         low=0.0,
+        high=RATE_LIMIT,
     ),
     Option(
         "muon_mode",

@@ -39,6 +39,7 @@ import torch
 
 from . import __version__
 from .optimizer import HybridMuonOptimizer
+from .options import SETTINGS
 from .schema import HYBRID_MUON_DOC, hybrid_muon_arguments
 from .state import check_state_dict, written_by_hybridmuon
 from .validation import GROUP_KEYS, resolve_legacy_keys
@@ -273,8 +274,10 @@ def patch_trainer(module: Any) -> None:
         load(self, saved)
         _input_wins(local, before)
         if zero:  # ZeRO-1's step copies its own groups (the checkpoint's) into this rank's optimizer
+            settings = {key: getattr(local, key) for key in SETTINGS}  # the input's (step() refuses others)
             for outer, inner, wanted in zip(self.optimizer.param_groups, local.param_groups, before, strict=True):
                 outer.update({key: inner[key] for key in wanted})
+                outer.update({key: value for key, value in settings.items() if key in outer})
         problems = local.state_routing_mismatches()
         if problems:
             raise RuntimeError(

@@ -22,7 +22,7 @@ import torch
 from . import functional as F
 from .dtensor import is_dtensor, laid_out_like, local_shard
 from .options import OPTIMIZER_KEYS, OPTION
-from .validation import GROUP_KEYS, MISNAMED_KEYS, resolve_legacy_keys, validate_group
+from .validation import ALIASES, GROUP_KEYS, LEGACY_KEYS, check_names, resolve_legacy_keys, validate_group
 
 #: State of an Adam-routed parameter: all four keys, or none.
 ADAM_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "beta1_pow", "beta2_pow")
@@ -46,6 +46,13 @@ STATE_RANGES: dict[str, tuple[float, float]] = {
     "momentum_buffer": (-F.GRAD_LIMIT, F.GRAD_LIMIT),
     "magma_score": (0.0, 1.0),
 }
+#: And jointly, element by element: ``|exp_avg| <= ADAM_RATIO_LIMIT * (sqrt(exp_avg_sq) + ADAM_EPS)``. A run's
+#: first moment is a blend of the gradients whose squares blend into the second: ``|exp_avg| <= 1.2 sqrt(exp_avg_sq)``
+#: at the default betas (a bounded multiple whenever beta1^2 < beta2), and where ``exp_avg_sq`` is 0 so is every
+#: gradient (up to float32's underflow). Only beta1^2 > beta2 and hundreds of zero gradients after a huge one come
+#: near the limit. A larger ratio overflows the increment ``lr * exp_avg / (sqrt(exp_avg_sq) + eps)``: ``exp_avg``
+#: 9e18 where ``exp_avg_sq`` is 0 gave -inf parameters at a zero gradient.
+ADAM_RATIO_LIMIT: float = 1e30
 
 
 def check_state_dict(
@@ -128,19 +135,17 @@ def with_defaults(state_dict: Any) -> Any:
     """``state_dict`` as this version reads it (a copy where it differs): what it lacks at the defaults.
 
     Each option its HybridMuon param_groups lack takes its default; deepmd-kit 3.1's ``muon_2d_only`` is read as
-    ``muon_mode`` (:func:`~.validation.resolve_legacy_keys`) and the other keys of :data:`~.validation.MISNAMED_KEYS`
+    ``muon_mode`` (:func:`~.validation.resolve_legacy_keys`) and the input-file aliases (:data:`~.validation.ALIASES`)
     are dropped: a checkpoint written before an option existed, or by deepmd's built-in, resumes instead of being taken
     for another optimizer's. Anything else is returned as it is.
     """
     if not written_by_hybridmuon(state_dict):
         return state_dict
     groups = state_dict["param_groups"]
-    if all(set(GROUP_KEYS) <= set(g) and not set(MISNAMED_KEYS) & set(g) for g in groups):
+    if all(set(GROUP_KEYS) <= set(g) and not {*ALIASES, *LEGACY_KEYS} & set(g) for g in groups):
         return state_dict
     defaults = {key: OPTION[key].default for key in GROUP_KEYS}
-    groups = [
-        {**defaults, **{k: v for k, v in resolve_legacy_keys(g)[0].items() if k not in MISNAMED_KEYS}} for g in groups
-    ]
+    groups = [{**defaults, **{k: v for k, v in resolve_legacy_keys(g)[0].items() if k not in ALIASES}} for g in groups]
     return {**state_dict, "param_groups": groups}
 
 
@@ -156,6 +161,7 @@ def _check_group(index: int, saved: Any, count: int) -> None:
     if not isinstance(saved.get("params"), Sequence) or len(saved["params"]) != count:
         got = len(saved["params"]) if isinstance(saved.get("params"), Sequence) else "no list of"
         raise ValueError(f"Invalid {where}: {got} parameters; this optimizer's group {index} has {count}")
+    check_names(saved.get("param_names"), count, f"{where} of the state dict")
     try:
         # a copy (validate_group normalises muon_mode in place), without the constructor's other
         # keywords, which ZeroRedundancyOptimizer writes into its param_groups
@@ -215,6 +221,32 @@ def _check_entry(where: str, entry: Any, p: torch.Tensor) -> None:
                 f"Invalid state {key} of {where}: values in [{least:.3g}, {most:.3g}]; expected values in "
                 f"[{low:.3g}, {high:.3g}], the range a run can reach"
             )
+    first, second = entry.get("exp_avg"), entry.get("exp_avg_sq")
+    if first is not None and first.numel() and not is_dtensor(first) and not is_dtensor(second):
+        ratio = float((first.double().abs() / (second.double().sqrt() + F.ADAM_EPS)).amax())
+        if ratio > ADAM_RATIO_LIMIT:
+            raise ValueError(
+                f"Invalid state exp_avg of {where}: |exp_avg| / (sqrt(exp_avg_sq) + {F.ADAM_EPS:g}) reaches "
+                f"{ratio:.3g}; expected at most {ADAM_RATIO_LIMIT:.3g}, what a run can reach (exp_avg is a blend of "
+                "the gradients whose squares blend into exp_avg_sq)"
+            )
+
+
+def own_memory(state: Mapping[Any, dict[str, Any]], params: Sequence[torch.Tensor]) -> None:
+    """Give each state tensor memory of its own (a copy where it shares memory or is not contiguous).
+
+    A state tensor that shares memory with a parameter or another state tensor, or that is not contiguous (an
+    expanded, stride-0 one), is copied. torch's ``load_state_dict`` keeps a saved tensor whose dtype and device fit:
+    a state dict that aliases itself would have the loop's in-place step write one moment into another.
+    """
+    seen = {p.untyped_storage().data_ptr() for p in params if p.numel() and not is_dtensor(p)}
+    for entry in state.values():
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor) or not value.numel() or is_dtensor(value):
+                continue
+            if value.untyped_storage().data_ptr() in seen or not value.is_contiguous():
+                value = entry[key] = value.clone(memory_format=torch.contiguous_format)
+            seen.add(value.untyped_storage().data_ptr())
 
 
 def check_sizes(state: dict, params: Sequence[torch.Tensor], describe: Callable[[torch.Tensor], str]) -> None:

@@ -13,8 +13,10 @@ import io
 import logging
 import pickle
 import re
+import warnings
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_optimizer, use_implementation
@@ -173,7 +175,7 @@ BAD_STATE_DICTS = [
     ("Muon", _foreign("Muon"), "Invalid param_groups[0]: lacks the HybridMuon keys ['adam_betas'"),
     ("AdamW-state", _foreign("AdamW-state"), "Invalid state of parameter 0 ('fit.w'): unknown keys ['step']"),
     ("momentum", _edit(("param_groups", 0, "momentum"), 1.5), "Invalid momentum: 1.5; expected a value in [0, 1)"),
-    ("lr", _edit(("param_groups", 0, "lr"), -1), "Invalid lr: -1; expected a value in [0, inf)"),
+    ("lr", _edit(("param_groups", 0, "lr"), -1), "Invalid lr: -1; expected a value in [0, 1e+08]"),
     ("betas", _edit(("param_groups", 0, "adam_betas"), (1, 2)), "Invalid adam_betas[0]: 1; expected a value in [0, 1)"),
     ("magma", _edit(("param_groups", 0, "magma_muon"), "yes"), "Invalid magma_muon: 'yes'; expected true or false"),
     (
@@ -451,7 +453,7 @@ BAD_GROUP_VALUES: list[tuple[str, object, str]] = [
     ("lr", float("inf"), "Invalid lr: inf; expected a finite number"),
     ("momentum", float("nan"), "Invalid momentum: nan; expected a finite number"),
     ("momentum", 1.5, "Invalid momentum: 1.5; expected a value in [0, 1)"),
-    ("weight_decay", -100.0, "Invalid weight_decay: -100.0; expected a value in [0, inf)"),
+    ("weight_decay", -100.0, "Invalid weight_decay: -100.0; expected a value in [0, 1e+08]"),
     ("adam_betas", (0.9, float("nan")), "Invalid adam_betas[1]: nan; expected a finite number"),
     ("muon_mode", "3d", "Invalid muon_mode: '3d'; expected one of '2d', 'flat', 'slice'"),
 ]
@@ -675,10 +677,8 @@ def _branch_steps(implementation: str, edit: Callable | None, **options) -> tupl
     gen = torch.Generator().manual_seed(7)
     shapes = (("a.w", (2, 6, 5)), ("a.bias", (5,)), ("b.w", (2, 6, 5)), ("b.bias", (5,)))
     named = [(n, torch.nn.Parameter(torch.randn(s, generator=gen))) for n, s in shapes]
-    opt = make_optimizer(
-        [p for _, p in named], implementation, lr=1e-2, weight_decay=0.01, muon_mode="slice", named_parameters=named,
-        **options,
-    )  # fmt: skip
+    options = {"lr": 1e-2, "weight_decay": 0.01, "muon_mode": "slice", **options}
+    opt = make_optimizer([p for _, p in named], implementation, named_parameters=named, **options)
     for _, p in named:
         p.grad = torch.randn(p.shape, generator=gen)
     opt.step()
@@ -730,7 +730,9 @@ UNREAD_STATE = [
         _set("b.w", momentum_buffer=lambda t: t.index_fill(0, torch.tensor(0), F.GRAD_LIMIT)),
         {},
     ),
-    ("adam-rate-1e19", None, {"lr_adjust": 1e-21}),  # the last step's Adam update, left in b's slot, reached the gate
+    # The last step's Adam update, left in b's slot, reached the gate (at an Adam rate of 1e19, which the settings'
+    # bounds now refuse: the largest rate they allow, 1e16).
+    ("adam-rate-1e16", None, {"lr": 1e8, "lr_adjust": 1e-8, "weight_decay": 0.0}),
 ]
 
 
@@ -808,3 +810,303 @@ def test_parameters_frozen_one_at_a_time_release_the_engines_buffers():
     assert _state_bytes(engine) <= 1.2 * _state_bytes(loop)
     for p, q in zip(ours, ref, strict=True):
         assert torch.equal(p, q)  # the engine's CPU step is the loop's, bit for bit
+
+
+# --- settings, keys, names and loaded state
+
+
+def _two_routes(implementation: str, **options) -> tuple[list[torch.nn.Parameter], HybridMuonOptimizer]:
+    """A Muon matrix and an Adam bias, named, with gradients; not stepped yet."""
+    named = _named()
+    opt = make_optimizer([p for _, p in named], implementation, lr=1e-2, named_parameters=named, **options)
+    for _, p in named:
+        p.grad = torch.ones_like(p)
+    return [p for _, p in named], opt
+
+
+def _refused_at_step(opt: HybridMuonOptimizer, params: list[torch.Tensor], message: str) -> None:
+    """``opt.step()`` raises ``message`` (as the start of its text) and changes no parameter."""
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before, strict=True))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_compiled_step_steps_as_the_step(implementation):
+    """``torch.compile(opt.step)`` runs (dynamo failed on the check of the groups' keys) and steps as ``opt.step``.
+
+    The "eager" backend: what failed was dynamo's tracing, which every backend shares; this one adds no code
+    generation (no C compiler, seconds less on a CPU).
+    """
+    moved = []
+    for compiled in (False, True):
+        params, opt = _two_routes(implementation)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for i in range(3):
+            for p in params:
+                p.grad = torch.full_like(p, 0.5 + i)
+            step()
+        moved.append([p.detach().clone() for p in params])
+    assert all(torch.equal(p, q) for p, q in zip(*moved, strict=True))  # the same arithmetic: bit for bit
+
+
+#: Keys another Muon or Adam optimizer reads (its routing, per-route settings) or another spelling of an option, with
+#: the start of what the message says to use instead.
+MISNAMED = [
+    ("use_muon", True, "use param_names"),
+    ("adam_lr", 1e-3, "use lr"),
+    ("muon_lr", 2e-2, "use lr"),
+    ("adamw_lr", 1e-3, "use lr"),
+    ("beta1", 0.9, "use adam_betas"),
+    ("beta2", 0.99, "use adam_betas"),
+    ("adam_eps", 1e-8, "remove it: HybridMuon has no such setting"),
+    ("wd", 0.1, "use weight_decay"),
+    ("weight_decay_muon", 0.1, "use weight_decay"),
+    ("muon_weight_decay", 0.1, "use weight_decay"),
+    ("adam_weight_decay", 0.1, "use weight_decay"),
+    ("nesterov_momentum", 0.9, "use momentum"),
+    ("learning_rate", 1e-3, "use lr"),
+    ("lr_scale", 2.0, "use lr"),
+    (" lr", 1e-3, "use lr"),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("key", "value", "use"), MISNAMED, ids=[k.strip() for k, _, _ in MISNAMED])
+def test_a_key_that_names_a_setting_otherwise_is_refused_with_the_key_to_use(implementation, key, value, use):
+    message = f"Invalid param_group key {key!r}: {value!r}; {use}"
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        HybridMuonOptimizer([{"params": [w], key: value}])
+    params, opt = _two_routes(implementation)
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        opt.add_param_group({"params": [w], key: value})
+    assert len(opt.param_groups) == 1
+    opt.step()
+    opt.param_groups[0][key] = value  # written between steps
+    _refused_at_step(opt, params, message)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("key", "value"), [("flash_muon", False), ("nonfinite_across_ranks", True)])
+def test_an_optimizer_setting_written_into_a_group_is_refused_at_step(implementation, key, value):
+    """Refused at construction and by add_param_group; written after, it was ignored without a word."""
+    params, opt = _two_routes(implementation)
+    opt.step()
+    opt.param_groups[0][key] = getattr(opt, key)  # the optimizer's own value (ZeRO-1's copy): accepted
+    opt.step()
+    opt.param_groups[0][key] = value
+    _refused_at_step(opt, params, f"Invalid param_group key {key}: {value!r}; it is a setting of the whole optimizer")
+
+
+def test_torchs_keys_are_silent_and_another_key_warns_once():
+    torchs = {"initial_lr": 1e-2, "max_lr": 1e-1, "min_lr": 1e-4, "base_momentum": 0.85, "max_momentum": 0.95}
+    w, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = HybridMuonOptimizer([{"params": [("w", w)], **torchs, "swa_lr": 1e-3}])
+        w.grad = torch.ones_like(w)
+        opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own filter
+        opt.add_param_group({"params": [("b", b)], "name": "biases"})
+        b.grad = torch.ones_like(b)
+        opt.step()
+        opt.param_groups[0]["name"] = "weights"
+        opt.step()
+    assert [str(w.message) for w in caught] == ["param_group key 'name' is no HybridMuon setting: kept and ignored"]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_tensor_betas_changed_in_place_are_checked_at_the_next_step(implementation):
+    params, opt = _two_routes(implementation, adam_betas=(torch.tensor(0.9), torch.tensor(0.95)))
+    opt.step()
+    opt.param_groups[0]["adam_betas"][1].fill_(1.5)
+    message = "Invalid adam_betas[1]: tensor(1.5000); expected a value in [0, 1)"
+    _refused_at_step(opt, params, message)
+    opt.param_groups[0]["adam_betas"] = (0.9, 1.5)  # and a plain pair after them
+    _refused_at_step(opt, params, "Invalid adam_betas[1]: 1.5; expected a value in [0, 1)")
+
+
+#: Finite settings whose first step overflowed into inf or NaN parameters, and the bound that refuses them.
+OVERFLOWING = [
+    ("weight_decay", 1e308, "expected a value in [0, 1e+08]"),
+    ("lr_adjust_coeff", 1e308, "expected a value in [0, 1e+08]"),
+    ("lr_adjust", 5e-324, "expected a finite number <= 0 or >= 1e-08"),
+    ("lr", 1e308, "expected a value in [0, 1e+08]"),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("key", "value", "allowed"), OVERFLOWING, ids=[k for k, _, _ in OVERFLOWING])
+def test_a_setting_that_overflows_the_first_step_is_refused(implementation, key, value, allowed):
+    message = f"Invalid {key}: {value!r}; {allowed}"
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        make_optimizer([torch.nn.Parameter(torch.randn(4, 3))], implementation, **{key: value})
+    params, opt = _two_routes(implementation)
+    opt.param_groups[0][key] = value
+    _refused_at_step(opt, params, message)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "shown"),
+    [
+        ("optimizer", "lr_adjust", 1e-320, "key `lr_adjust`"),
+        ("optimizer", "lr_adjust_coeff", 1e300, "key `lr_adjust_coeff`"),
+        ("learning_rate", "start_lr", 1e300, "Invalid lr: 1e+300; expected a value in [0, 1e+08]"),
+    ],
+)
+def test_dp_check_refuses_a_setting_that_overflows_the_first_step(tmp_path, capsys, section, key, value, shown):
+    import json
+    from pathlib import Path
+
+    from deepmd_hybridmuon.cli import main
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "examples" / "input.json").read_text())
+    config[section][key] = value
+    path = tmp_path / "input.json"
+    path.write_text(json.dumps(config))
+    assert main(["check", "--no-routing", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert shown in err and repr(value) in err, err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lr": 10**400}, "Invalid lr: 1000000"),
+        ({"lr": torch.tensor(1e-3, device="meta")}, "Invalid lr: tensor(..., device='meta', size=()); expected a real"),
+        ({"adam_betas": np.array([0.9, 0.95])}, "Invalid adam_betas: array([0.9 , 0.95]); expected a pair"),
+    ],
+    ids=["lr-10**400", "lr-meta", "betas-numpy"],
+)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_value_without_a_number_is_named_in_the_message(implementation, options, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        HybridMuonOptimizer([torch.nn.Parameter(torch.randn(4, 3))], **options)
+    params, opt = _two_routes(implementation)
+    opt.step()
+    opt.param_groups[0].update(options)  # written between steps
+    _refused_at_step(opt, params, message)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_param_names_of_another_length_are_refused_before_anything_changes(implementation):
+    w1, w2, w3 = (torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3))
+    message = "Invalid param_names of param_group 0: ['w1']; expected one name per parameter (2)"
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        HybridMuonOptimizer([{"params": [w1, w2], "param_names": ["w1"]}])
+    opt = make_optimizer([{"params": [w1], "param_names": ["w1"]}], implementation)
+    with pytest.raises(ValueError, match="^" + re.escape(message.replace("0: ['w1']", "1: ['adamw_x']"))):
+        opt.add_param_group({"params": [w2, w3], "param_names": ["adamw_x"]})
+    assert len(opt.param_groups) == 1 and opt.param_name(w2) is None
+    before = [w2.detach().clone(), w3.detach().clone()]
+    for w in (w1, w2, w3):
+        w.grad = torch.ones_like(w)
+    opt.step()
+    assert torch.equal(w2, before[0]) and torch.equal(w3, before[1])  # they are no part of the optimizer
+    saved = _edit(("param_groups", 0, "param_names"), ["w1", "w2"])(opt.state_dict())
+    message = "Invalid param_names of param_groups[0] of the state dict: ['w1', 'w2']; expected one name per parameter"
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_state_dict_saved_with_names_routes_as_when_saved(implementation):
+    """Built from named parameters (torch's ``param_names``), loaded into an optimizer built without names."""
+    gen = torch.Generator().manual_seed(7)
+    gain, w = (torch.nn.Parameter(torch.randn(6, 4, generator=gen)) for _ in range(2))
+    grads = [torch.randn(6, 4, generator=gen) for _ in range(3)]
+    opt = make_optimizer([("adamw_gain", gain), ("w", w)], implementation, lr=1e-2)
+    twin = [torch.nn.Parameter(gain.detach().clone()), torch.nn.Parameter(w.detach().clone())]
+    gain.grad = w.grad = grads[0]
+    opt.step()
+    fresh = make_optimizer(twin, implementation, lr=1e-2)
+    for p, q in zip(twin, (gain, w), strict=True):
+        p.data.copy_(q)
+    fresh.load_state_dict(opt.state_dict())
+    for grad in grads[1:]:
+        for p in (gain, w, *twin):
+            p.grad = grad
+        opt.step()
+        fresh.step()
+    assert [row["route"] for row in fresh.routing_table()] == ["adamw", "muon"]
+    assert torch.equal(twin[0], gain) and torch.equal(twin[1], w)  # the same run on: bit for bit
+    assert torch.equal(fresh.state[twin[0]]["exp_avg"], opt.state[gain]["exp_avg"])
+
+
+def _aliased(kind: str) -> Callable[[dict], dict]:
+    """A state dict whose tensors share memory: ``kind`` says how."""
+
+    def make(good: dict) -> dict:
+        out = copy.deepcopy(good)
+        bias = out["state"][1]
+        if kind == "one-tensor-both-moments":
+            bias["exp_avg_sq"] = bias["exp_avg"] = bias["exp_avg_sq"].clone()
+        elif kind == "views-of-another-parameters":  # the bias's moments are rows of the matrix's momentum
+            momentum = out["state"][0]["momentum_buffer"]
+            momentum[0].copy_(bias["exp_avg"])
+            momentum[1].copy_(bias["exp_avg_sq"])
+            bias["exp_avg"], bias["exp_avg_sq"] = momentum[0], momentum[1]
+        else:  # expanded: every element one number, stride 0
+            bias["exp_avg"] = bias["exp_avg"][:1].clone().expand(4)
+        return out
+
+    return make
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("kind", ["one-tensor-both-moments", "views-of-another-parameters", "expanded"])
+def test_state_tensors_that_share_memory_load_as_copies(implementation, kind):
+    """The run on equals the run on the same values in tensors of their own."""
+    runs = []
+    for share in (True, False):
+        named = _named()
+        opt = _stepped(named)
+        use_implementation(opt, implementation)
+        saved = _aliased(kind)(opt.state_dict())
+        if not share:
+            saved["state"] = {k: {kk: copy.deepcopy(v) for kk, v in e.items()} for k, e in saved["state"].items()}
+            for entry in saved["state"].values():
+                entry.update({k: v.contiguous() for k, v in entry.items() if torch.is_tensor(v)})
+        opt.load_state_dict(saved)
+        for step in range(2):
+            for _, p in named:
+                p.grad = torch.full_like(p, 0.5 + step)
+            opt.step()
+        runs.append([p.detach() for _, p in named])
+    assert all(torch.isfinite(p).all() for p in runs[0])
+    assert all(torch.equal(p, q) for p, q in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_moments_no_run_can_write_together_are_refused(implementation):
+    """Each in its range, jointly impossible: exp_avg 9e18 where exp_avg_sq is 0 gave -inf at a zero gradient."""
+    named = _named()
+    opt = _stepped(named)
+    use_implementation(opt, implementation)
+    bad = _edit(("state", 1, "exp_avg"), torch.full((4,), 9e18))(opt.state_dict())
+    bad["state"][1]["exp_avg_sq"] = torch.zeros(4)
+    before = opt.state_dict()
+    message = "Invalid state exp_avg of parameter 1 ('fit.b'): |exp_avg| / (sqrt(exp_avg_sq) + 1e-20) reaches 9e+38"
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    for k, entry in before["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][kk])) for kk, v in entry.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_load_post_hook_edit_survives(dtype):
+    """The float32 moments of a half-precision model were put back after the post-hooks ran, undoing their edits."""
+    named = [(n, torch.nn.Parameter(p.detach().to(dtype))) for n, p in _named()]
+    opt = _stepped(named)
+    saved = opt.state_dict()
+
+    def edit(optimizer: HybridMuonOptimizer) -> None:
+        optimizer.state[named[1][1]]["exp_avg"].fill_(0.25)
+
+    opt.register_load_state_dict_post_hook(edit)
+    opt.load_state_dict(saved)
+    assert torch.equal(opt.state[named[1][1]]["exp_avg"], torch.full((4,), 0.25))

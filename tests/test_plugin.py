@@ -105,7 +105,7 @@ def _minimal_input(optimizer):
         ("muon_mode", "3d", "expected one of '2d', 'flat', 'slice'"),
         ("momentum", 1.0, r"expected a number in \[0, 1\)"),
         ("adam_beta2", -0.1, r"expected a number in \[0, 1\)"),
-        ("weight_decay", -1.0, "expected a number >= 0"),
+        ("weight_decay", -1.0, r"expected a number in \[0, 1e\+08\]"),
         ("lr_adjust", float("nan"), "expected a finite number"),
         ("enable_gram", "yes", "requires <bool>"),
     ],
