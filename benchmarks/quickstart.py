@@ -4,9 +4,9 @@
 The committed tree (``git archive HEAD``, what a clone holds) goes to a fresh folder, and the
 Quickstart's commands run there verbatim, read from README.md, in one bash shell: the virtual
 environment, the CPU-only torch line and the first command (install, data, training); with
-``--tests`` the test command too. pip starts from an empty cache and ignores this machine's pip
-configuration (local indexes, wheel folders), as on a fresh machine, so the cache's size afterwards
-is what was downloaded. Needs ``python3`` (the README's), ``git`` and network access to PyPI; stdlib only.
+``--tests`` the test command too. pip uses no cache and ignores this machine's pip configuration
+(local indexes, wheel folders), as on a fresh machine; what it downloaded is the sum of the sizes
+its "Downloading" lines give. Needs ``python3`` (the README's), ``git`` and network access to PyPI.
 
 Usage::
 
@@ -34,6 +34,8 @@ TEST_COMMAND = 'pip install ".[test]" && python -m pytest'
 #: What each timed piece of the first command is, by the command bash traces for it.
 PIECES = {"pip install .": "install", "python make_data.py": "data", "dp --pt train input.json": "training"}
 TRACE_RE = re.compile(r"^\++ (\d+\.\d+) (.*)$")
+DOWNLOAD_RE = re.compile(r"Downloading \S+ \(([\d.]+) (kB|MB|GB)\)")
+UNIT = {"kB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
 def readme_commands(readme: str) -> list[str]:
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run(["tar", "-x", "-C", str(work)], input=tree, check=True)
     script = "".join(f": readme {i}\n{c}\n" for i, c in enumerate(commands))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV", "PYTHON"))}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_CACHE_DIR=str(work / "pip-cache"))
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1")
     env.update({k: os.environ[k] for k in ("PIP_CERT",) if k in os.environ})  # the machine's TLS setup, if any
     loads: list[float] = []
     done = threading.Event()
@@ -109,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         "load_1min": {"start": start_load[0], "end": os.getloadavg()[0], "samples": loads},
         "average_s_per_batch": parse_log(log)["average_s_per_batch"],
         "lcurve": lcurve,
-        "bytes": {"downloaded": size(work / "pip-cache"), "venv": size(work / ".venv"), "cuda": size(site / "nvidia")},
+        "bytes": {
+            "downloaded": round(sum(float(n) * UNIT[u] for n, u in DOWNLOAD_RE.findall(log))),
+            "venv": size(work / ".venv"),
+            "cuda": size(site / "nvidia"),
+        },
         "last_lines": log.strip().splitlines()[-5:],
     }
     write_json(args.out, result)
