@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = [c for c in readme_commands((REPO_ROOT / "README.md").read_text()) if args.tests or c != TEST_COMMAND]
     work = Path(tempfile.mkdtemp(prefix="quickstart-"))
     git = ["git", "-C", str(REPO_ROOT)]
-    tree = subprocess.run([*git, "archive", "HEAD"], check=True, capture_output=True).stdout
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    tree = subprocess.run([*git, "archive", commit], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(work)], input=tree, check=True)
     script = "".join(f": readme {i}\n{c}\n" for i, c in enumerate(commands))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV", "PYTHON"))}
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": f"{os.cpu_count()} CPU cores, no GPU ({os.uname().machine})",
         "date": date,
-        "commit": subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": commit,
         "command": command_line(),
         "returncode": proc.returncode,
         "commands": [{"command": c, "seconds": round(s, 1)} for c, s in zip(commands, lines, strict=False)],
