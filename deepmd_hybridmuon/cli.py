@@ -510,33 +510,30 @@ ZERO_STAGES: dict[int, tuple[str, str, str]] = {
 }
 
 
-def _newton_schulz_line(on: bool, rows: list[Row] | None) -> str:
-    """What orthogonalises the Muon matrices of ``rows`` (each once), the engine's split when the kernels run."""
-    from .functional import TRITON_MAX_ROWS, on_triton
-
-    views = [r[4] for r in rows or () if r[4] is not None and not r[7]]
-    total = sum(bs for bs, _, _ in views)
-    if not on:
-        return f"batched torch kernels for {f'all {total}' if rows else 'the'} Muon matrices"
-    triton = sum(bs for bs, m, n in views if on_triton(min(m, n)))
-    if rows is None:
-        return f"one Triton program for each Muon matrix whose smaller side is <= {TRITON_MAX_ROWS}"
-    return (
-        f"{triton} of {total} Muon matrices one Triton program each (smaller side <= {TRITON_MAX_ROWS}), "
-        f"{total - triton} batched torch (cuBLAS)"
-    )
-
-
 def _print_machine(
     section: dict[str, Any], stage: int, device: Any, rows: list[Row] | None, out: TextIO, *, verbose: bool
 ) -> None:
+    """Triton, what orthogonalises the Muon matrices (``rows``: the routing, or None) and what zero_stage does."""
+    from .functional import TRITON_MAX_ROWS, on_triton
+
     on, triton_line = triton_decision(bool(section["flash_muon"]), device)
+    views = [r[4] for r in rows or () if r[4] is not None and not r[7]]  # a shared matrix once
+    total, fast = sum(v[0] for v in views), sum(bs for bs, m, n in views if on_triton(min(m, n)))
     print(f"\non this machine (deepmd trains on {device}):", file=out)
-    if on:
+    if not on:  # one line: nothing runs in Triton
+        what = f"all {total}" if rows else "the"
+        print(
+            f"  Triton kernels  {triton_line}; Newton-Schulz runs batched torch kernels for {what} Muon matrices",
+            file=out,
+        )
+    else:
         print(f"  Triton kernels  {triton_line}", file=out)
-        print(f"  Newton-Schulz   {_newton_schulz_line(on, rows)}", file=out)
-    else:  # one line: nothing runs in Triton
-        print(f"  Triton kernels  {triton_line}; Newton-Schulz runs {_newton_schulz_line(on, rows)}", file=out)
+        if rows:
+            print(
+                f"  Newton-Schulz   {fast} of {total} Muon matrices one Triton program each (smaller side <= "
+                f"{TRITON_MAX_ROWS}), {total - fast} batched torch (cuBLAS)",
+                file=out,
+            )
     strategy, words, mechanism = ZERO_STAGES[stage]
     plan = f"{strategy} under torchrun: {words}"
     gpu = device.type == "cuda"  # deepmd-kit's torchrun training puts each rank on a GPU
@@ -650,7 +647,7 @@ def check_input(
     lr_line, start_lr, lrs = _lr_schedule(jdata)
     section = jdata.get("optimizer", {})
     hybrid = section.get("type") == "HybridMuon"
-    rows: list[Row] = []
+    rows: list[Row] | None = None
     if hybrid:
         section["muon_mode"] = section["muon_mode"].lower()  # as dp train reads it (the schema checked it)
         for when, lr in lrs:
@@ -677,10 +674,9 @@ def check_input(
     for key, value in section.items():
         if key != "type" and value is not None:
             print(f"  {key:16s} {value!r}", file=out)
-    if routing:
+    if rows is not None:
         _print_routing(rows, section["muon_mode"], table, out)
-    stage = int(jdata["training"].get("zero_stage", 0))
-    _print_machine(section, stage, device, rows if routing else None, out, verbose=verbose or table)
+    _print_machine(section, int(jdata["training"].get("zero_stage", 0)), device, rows, out, verbose=verbose or table)
     return jdata
 
 
