@@ -739,6 +739,16 @@ def readme_claims() -> list[str]:
     spb = [r["spb"]["ours"] / r["spb"]["adamw"] for r in fsdp]
     host = {v: [r["clocks"][v][1] for r in fsdp] for v in ("ours", "adamw")}
     multi = {v: [run_spb(n) for u, n in MULTITASK_E2E if u == v] for v in ("old", "new")}
+    steps = {m: step_medians(STEP, m) for m in load(STEP)["configs"]}
+    vs_fused = [s["ours"] / s["adamw"] for s in steps.values()]
+    of_batch = [steps[r["model"]]["ours"] / 1000 / r["ours"][0] for r in e2e]  # the step's share of a batch
+    peaks = {  # a whole dp --pt train run's peak memory, by optimizer
+        r["variant"]: r["max_memory_allocated_mib"]
+        for name in memory_files()
+        for entry in (load(name).get("train") or {}).values()
+        for r in entry["runs"]
+        if r["label"] != "warmup" and not r["problems"]
+    }
     saved = (1 - max(multi["new"]) / min(multi["old"]), 1 - min(multi["new"]) / max(multi["old"]))
     return [
         f"a two-branch DPA-3 water run takes {saved[0] * 100:.0f}{DASH}{saved[1] * 100:.0f} % less time a batch",
@@ -756,6 +766,9 @@ def readme_claims() -> list[str]:
         f"DPA-2 small, whose batch is three times shorter: {d2['ours'][0] / d2['adamw'][0]:.2f}{TIMES} AdamW's",
         f"{min(vs_builtin):.2f}{DASH}{max(vs_builtin):.2f}{TIMES} the time of deepmd-kit's built-in HybridMuon",
         f"{ours3:.2f} ms against the built-in's {builtin3:.0f} ms",
+        f"about {max(of_batch) * 100:.0f} % of a batch, is slower than PyTorch's AdamW step (`fused=True`): "
+        f"{min(vs_fused):.2f}{DASH}{max(vs_fused):.2f}{TIMES} its time",
+        f"peak memory is {peaks['ours'] / peaks['adamw']:.2f}{TIMES} that of the same run with AdamW",
     ]
 
 

@@ -27,10 +27,8 @@ than 1.1x the worst base round. Usage (``benchmarks/baseline`` names the commit 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import statistics
 import subprocess
 import sys
@@ -191,65 +189,27 @@ def child_parity(steps: int = 6) -> dict[str, Any]:
 def child_dp(steps: int, workdir: Path) -> dict[str, Any]:
     """``dp --pt train`` of DPA-3 water, cold then warm Triton cache: first-step host ms, peak MiB, s/batch."""
     sys.path.insert(0, str(HERE))
-    from common import parse_log, prepare_run, timing_input
+    from common import TIMED_DP, parse_log, prepare_run, timing_input
 
     cfg_path = WATER / "dpa3_water.json"
     config = json.loads(cfg_path.read_text())
-    cache = workdir / "triton"
     out: dict[str, Any] = {}
     for label, n in (("cold", 20), ("warm", steps)):
         rundir = workdir / label
         cfg = timing_input(config, cfg_path, "ours", steps=n, disp_freq=max(n // 10, 1), stat_file=workdir / "stat.h5",
                            opt_kw={})  # fmt: skip
         env = prepare_run(rundir, cfg, builtin=False)
-        env.update(TRITON_CACHE_DIR=str(cache), GUARD_TIMES=str(rundir / "times.json"))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--dp-wrapper", "--pt", "train", "input.json"]
+        env.update(TRITON_CACHE_DIR=str(workdir / "triton"), STEP_TIMES_DIR=str(rundir), RECORD_MEMORY="1")
+        cmd = [sys.executable, str(TIMED_DP), "--pt", "train", "input.json"]
         proc = subprocess.run(cmd, cwd=rundir, env=env, capture_output=True, text=True, timeout=900, check=False)
-        (rundir / "train.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode:
             raise RuntimeError(f"dp --pt train ({label}) failed: {(proc.stdout + proc.stderr)[-2000:]}")
-        times = json.loads((rundir / "times.json").read_text())
-        out[f"dp first step {label}"] = {"host_ms": times["host_ms"][0]}
+        times = json.loads((rundir / "rank0.json").read_text())
+        out[f"dp first step {label}"] = {"host_ms": times["HybridMuonOptimizer"]["host_ms"][0]}
         if label == "warm":
-            out["dp peak"] = {"peak_mib": times["peak_mib"]}
+            out["dp peak"] = {"peak_mib": times["_max_memory_allocated_mib"]}
             out["dp DPA-3 water"] = {"s_per_batch": parse_log(proc.stdout + proc.stderr)["average_s_per_batch"]}
     return out
-
-
-def dp_wrapper() -> int:
-    """Run deepmd's ``dp`` with every HybridMuon step timed on the host; write the times to ``$GUARD_TIMES``."""
-    import torch
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-    host_ms: list[float] = []
-    started: list[float] = []
-
-    profile = cProfile.Profile() if os.environ.get("GUARD_PROFILE") else None
-
-    def before(opt: Any, *_: Any) -> None:
-        started.append(time.perf_counter())
-        if profile and not host_ms and type(opt).__name__ == "HybridMuonOptimizer":
-            profile.enable()
-
-    def after(opt: Any, *_: Any) -> None:
-        if type(opt).__name__ == "HybridMuonOptimizer":
-            host_ms.append((time.perf_counter() - started.pop()) * 1e3)
-            if profile and len(host_ms) == 1:  # the first step's calls, by cumulative time
-                profile.disable()
-                with open(f"{os.environ['GUARD_PROFILE']}.{os.getpid()}.txt", "a") as f:
-                    pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(40)
-
-    register_optimizer_step_pre_hook(before)
-    register_optimizer_step_post_hook(after)
-    from deepmd.main import main as dp_main
-
-    sys.argv = ["dp", *sys.argv[2:]]
-    try:
-        dp_main()
-    finally:
-        peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
-        Path(os.environ["GUARD_TIMES"]).write_text(json.dumps({"host_ms": host_ms, "peak_mib": peak}))
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------ the parent
@@ -331,8 +291,6 @@ def main() -> int:
     parser.add_argument("--commit", help="HEAD's commit where git cannot tell (the device machine)")
     parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
-    if len(sys.argv) > 1 and sys.argv[1] == "--dp-wrapper":
-        return dp_wrapper()
     args = parser.parse_args()
     if args.child is not None:
         what, *rest = args.child

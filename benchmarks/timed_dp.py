@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""deepmd's ``dp`` command with every optimizer step timed (run by multi_gpu.py).
+"""deepmd's ``dp`` command with every optimizer step timed (run by multi_gpu.py and guard.py).
 
 torch calls its global optimizer step hooks around the ``step()`` of every
 ``torch.optim.Optimizer``: ours, deepmd's built-in HybridMuon, AdamW, and torch's
@@ -15,12 +15,6 @@ the start of the next: forward, backward, data, logging), on the GPU and on the 
 
 With ``RECORD_MEMORY=1`` on CUDA the JSON also holds, under ``"_max_memory_allocated_mib"``, the
 peak of ``torch.cuda.max_memory_allocated()`` over the process (a training run's peak).
-
-With ``WATCH_COMPILES=1`` the JSON also lists, under ``"_compiles"``, every Triton kernel this
-process compiled or loaded (``triton.knobs.compilation.listener``: kernel, cache hit or not,
-its specialization, and how many steps of our optimizer had run) and every host launcher it
-built with the C compiler (``triton.runtime.build._build``, with its seconds): the evidence
-of work done in the training process rather than in the compile process.
 
 With ``WAIT_FOR_KERNELS=<seconds>``, after the first step of deepmd-hybridmuon's optimizer
 the run waits (at most that long) for the Triton kernels to compile, so that they land in
@@ -57,54 +51,11 @@ class _Steps:
         self.between_host_ms: list[float] = []
 
 
-def _watch_compiles(record: list[dict[str, Any]], ours_steps: Any) -> None:
-    """Record every Triton compile or cache load and every launcher build of this process into ``record``."""
-    from triton import knobs
-    from triton.runtime import build
-
-    def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool, **_: Any) -> None:
-        fn = getattr(src, "fn", None)
-        record.append(
-            {
-                "what": "kernel",
-                "kernel": getattr(fn, "__name__", str(fn)),
-                "cache_hit": cache_hit,
-                "signature": repr(getattr(src, "signature", None)),
-                "attrs": repr(getattr(src, "attrs", None)),
-                "constants": repr(getattr(src, "constants", None)),
-                "options": {k: v for k, v in dict(metadata or {}).items() if isinstance(v, (int, float, str, bool))},
-                "after_steps": ours_steps(),
-                "at_s": time.perf_counter(),
-            }
-        )
-
-    knobs.compilation.listener = listener
-    original = build._build
-
-    def timed_build(name: str, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return original(name, *args, **kwargs)
-        finally:
-            record.append(
-                {"what": "launcher", "name": name, "seconds": time.perf_counter() - t0, "after_steps": ours_steps()}
-            )
-
-    build._build = timed_build
-
-
 def main() -> int:
     out_dir = os.environ.get("STEP_TIMES_DIR")
     waiting = [float(os.environ["WAIT_FOR_KERNELS"])] if os.environ.get("WAIT_FOR_KERNELS") else []
     steps: dict[int, _Steps] = {}
     cuda = torch.cuda.is_available()
-    compiles: list[dict[str, Any]] = []
-
-    def ours_steps() -> int:
-        return sum(len(e.host_ms) for e in steps.values() if e.name == "HybridMuonOptimizer")
-
-    if os.environ.get("WATCH_COMPILES") == "1" and cuda:
-        _watch_compiles(compiles, ours_steps)
 
     def ours(opt: torch.optim.Optimizer) -> bool:
         return type(opt).__module__.startswith("deepmd_hybridmuon")
@@ -162,8 +113,6 @@ def main() -> int:
                 }
             if cuda and os.environ.get("RECORD_MEMORY") == "1":
                 times["_max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
-            if compiles:
-                times["_compiles"] = compiles
             path = Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(times))

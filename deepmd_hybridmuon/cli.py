@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import os
 import re
 import reprlib
@@ -408,11 +409,8 @@ def _print_routes(rows: list[Row], out: TextIO, indent: str = "  ") -> None:
 def _print_routing(rows: list[Row], muon_mode: str, table: bool, out: TextIO) -> None:
     """The routes of the model, or of each branch and of the parameters dp train steps (shared ones once).
 
-    Then how many Muon matrices each Newton–Schulz path takes (``functional.on_triton``) and, with ``table``, one
-    row per parameter: name, shape, route, matrix view, reason.
+    With ``table``, one row per parameter: name, shape, route, matrix view, reason.
     """
-    from .functional import TRITON_MAX_ROWS, on_triton
-
     branches = list(dict.fromkeys(r[0] for r in rows))
     if branches in ([], [""]):
         print(f"\nrouting (muon_mode={muon_mode!r}): {len(rows)} parameters", file=out)
@@ -428,14 +426,6 @@ def _print_routing(rows: list[Row], muon_mode: str, table: bool, out: TextIO) ->
         distinct = [r for r in rows if not r[7]]
         print(f"  dp train steps {len(distinct)} parameters (each shared one once):", file=out)
         _print_routes(distinct, out, indent="    ")
-    views = [r[4] for r in rows if r[4] is not None and not r[7]]
-    triton = sum(bs for bs, m, n in views if on_triton(min(m, n)))
-    total = sum(bs for bs, _, _ in views)
-    print(
-        f"  Newton-Schulz: {triton} of {total} matrices one Triton program each where the kernels run (smaller "
-        f"side <= {TRITON_MAX_ROWS}), {total - triton} batched torch (cuBLAS)",
-        file=out,
-    )
     if not table:
         print("  (--table lists every parameter)", file=out)
         return
@@ -485,7 +475,7 @@ def triton_decision(flash_muon: bool, device: Any) -> tuple[bool, str]:
         why = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; the kernels need {need}"
     else:
         why = "Triton cannot be imported"
-    return False, f"off: {why}; batched torch kernels instead"
+    return False, f"off: {why}"
 
 
 #: What each ``training.zero_stage`` makes of the run under ``torchrun``: (strategy, in a user's words, how the
@@ -520,10 +510,30 @@ ZERO_STAGES: dict[int, tuple[str, str, str]] = {
 }
 
 
-def _print_machine(section: dict[str, Any], stage: int, device: Any, out: TextIO, *, verbose: bool) -> None:
+def _print_machine(
+    section: dict[str, Any], stage: int, device: Any, rows: list[Row] | None, out: TextIO, *, verbose: bool
+) -> None:
+    """Triton, what orthogonalises the Muon matrices (``rows``: the routing, or None) and what zero_stage does."""
+    from .functional import TRITON_MAX_ROWS, on_triton
+
     on, triton_line = triton_decision(bool(section["flash_muon"]), device)
+    views = [r[4] for r in rows or () if r[4] is not None and not r[7]]  # a shared matrix once
+    total, fast = sum(v[0] for v in views), sum(bs for bs, m, n in views if on_triton(min(m, n)))
     print(f"\non this machine (deepmd trains on {device}):", file=out)
-    print(f"  Triton kernels  {triton_line}", file=out)
+    if not on:  # one line: nothing runs in Triton
+        what = f"all {total}" if rows else "the"
+        print(
+            f"  Triton kernels  {triton_line}; Newton-Schulz runs batched torch kernels for {what} Muon matrices",
+            file=out,
+        )
+    else:
+        print(f"  Triton kernels  {triton_line}", file=out)
+        if rows:
+            print(
+                f"  Newton-Schulz   {fast} of {total} Muon matrices one Triton program each (smaller side <= "
+                f"{TRITON_MAX_ROWS}), {total - fast} batched torch (cuBLAS)",
+                file=out,
+            )
     strategy, words, mechanism = ZERO_STAGES[stage]
     plan = f"{strategy} under torchrun: {words}"
     gpu = device.type == "cuda"  # deepmd-kit's torchrun training puts each rank on a GPU
@@ -586,10 +596,20 @@ def _lr_schedule(jdata: dict[str, Any]) -> tuple[str, float, list[tuple[str, flo
         f"learning rate: {section.get('type', 'exp')}, start_lr {schedule.start_lr:g} to stop_lr {schedule.stop_lr:g} "
         f"over {steps:,} steps (training.numb_steps): {first:.3g} at step 0, {last:.3g} at step {last_step:,}"
     )
-    if section.get("type", "exp") == "exp" and "decay_steps" in section:
-        line += f"; decays every {section['decay_steps']:,} steps"
+    stairs = 0 if getattr(schedule, "smooth", True) else schedule.decay_steps  # deepmd may shorten decay_steps
+    if stairs:
+        line += f"; decays every {stairs:,} steps"
     if schedule.warmup_steps:
         line += f"; warm-up over the first {schedule.warmup_steps:,} steps"
+    if f"{last:.3g}" != f"{schedule.stop_lr:.3g}":  # above stop_lr by more than the line shows: why
+        if not math.isclose(float(schedule.value(steps)), schedule.stop_lr, rel_tol=1e-6):
+            line += "\n  it ends above stop_lr, which this schedule does not reach within training.numb_steps"
+        else:
+            line += f"\n  it ends above stop_lr, which is the rate at step {steps:,}, one past the last"
+            if stairs:
+                held = last_step - (last_step - schedule.warmup_steps) % stairs
+                line += f": the rate falls every {stairs:,} steps, so steps {held:,}-{last_step:,} all run at "
+                line += f"{last:.3g}"
     rates = [(f"lr {first:g} at step 0", first), (f"lr {last:g} at step {last_step:,}", last)]
     return line, float(schedule.start_lr), rates
 
@@ -627,7 +647,7 @@ def check_input(
     lr_line, start_lr, lrs = _lr_schedule(jdata)
     section = jdata.get("optimizer", {})
     hybrid = section.get("type") == "HybridMuon"
-    rows: list[Row] = []
+    rows: list[Row] | None = None
     if hybrid:
         section["muon_mode"] = section["muon_mode"].lower()  # as dp train reads it (the schema checked it)
         for when, lr in lrs:
@@ -654,9 +674,9 @@ def check_input(
     for key, value in section.items():
         if key != "type" and value is not None:
             print(f"  {key:16s} {value!r}", file=out)
-    if routing:
+    if rows is not None:
         _print_routing(rows, section["muon_mode"], table, out)
-    _print_machine(section, int(jdata["training"].get("zero_stage", 0)), device, out, verbose=verbose or table)
+    _print_machine(section, int(jdata["training"].get("zero_stage", 0)), device, rows, out, verbose=verbose or table)
     return jdata
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from dargs import Argument
 
 from .options import OPTIONS, Option
-from .validation import REMOVED_KEYS, check_option
+from .validation import check_option
 
 HYBRID_MUON_DOC = (
     "HybridMuon optimizer (the deepmd-hybridmuon plugin; drop-in for deepmd-kit's built-in). Muon (Nesterov momentum, "
@@ -54,13 +54,20 @@ def hybrid_muon_arguments() -> list[Argument]:
 
 
 def options_markdown() -> str:
-    """The option table of the README, generated from :func:`hybrid_muon_arguments`."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for arg in hybrid_muon_arguments():
-        if arg.name in REMOVED_KEYS:
+    """The option table of the README, generated from :data:`.options.OPTIONS`.
+
+    One row per input key, with the constructor keyword it sets (``adam_beta1`` sets ``adam_betas[0]``), and one per
+    keyword without an input key (``lr``: dp takes it from the ``learning_rate`` section); no removed keys.
+    """
+    lines = ["| key | Python keyword | type | default | meaning |", "|---|---|---|---|---|"]
+    for option in OPTIONS:
+        if option.scope == "removed":
             continue
-        types = " \\| ".join(sorted("null" if t is type(None) else t.__name__ for t in arg.dtype))
-        alias = f" (alias `{'`, `'.join(arg.alias)}`)" if arg.alias else ""
-        doc = arg.doc.replace("|", "\\|")
-        lines.append(f"| `{arg.name}`{alias} | {types} | `{json.dumps(arg.default)}` | {doc} |")
+        for i, row in enumerate(option.items or (option,)):
+            alias = f" (alias `{'`, `'.join(row.alias)}`)" if row.alias else ""
+            key = f"`{row.name}`{alias}" if row.input_key else "—"
+            keyword = "—" if option.scope == "legacy" else f"`{option.name}{f'[{i}]' if option.items else ''}`"
+            types = " \\| ".join(sorted("null" if t is type(None) else t.__name__ for t in row.types))
+            doc = row.doc.replace("|", "\\|")
+            lines.append(f"| {key} | {keyword} | {types} | `{json.dumps(row.default)}` | {doc} |")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -58,6 +59,29 @@ def test_examples_pass_and_print_settings_and_routing(legacy, capsys):
     muon_line = next(line for line in out.splitlines() if line.strip().startswith("muon "))
     assert int(muon_line.split()[1]) > 0
     assert "on this machine" in out and "Triton kernels" in out and "zero_stage 0    " in out
+
+
+def test_the_readme_quotes_the_legacy_examples_warning(capsys):
+    """The README says which warning the legacy example gets (deepmd-kit's, expected), as dp check prints it."""
+    assert main(["check", "--no-routing", str(EXAMPLES / "input_legacy.json")]) == 0
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    readme = " ".join((EXAMPLES.parent / "README.md").read_text().split())
+    assert f"`{warning.split(' is deprecated.')[0]} is deprecated. …`" in readme, warning
+
+
+def test_the_readme_shows_what_the_check_prints_for_the_example(capsys, monkeypatch):
+    """Every line of the README's dp check output for examples/input.json, on a machine without a GPU, is printed."""
+    from deepmd_hybridmuon import cli
+
+    monkeypatch.setattr(cli, "_training_device", lambda: torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.chdir(EXAMPLES.parent)
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    shown = readme.split("On `examples/input.json`:\n\n```text\n", 1)[1].split("```", 1)[0]
+    assert main(["check", "examples/input.json"]) == 0
+    printed = iter(capsys.readouterr().out.splitlines())
+    missing = [line for line in shown.splitlines() if line.strip() not in ("", "...") and line not in printed]
+    assert not missing, missing  # each in order (`in` consumes the iterator up to the line it finds)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +174,7 @@ def test_help_is_plain_text(capsys):
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        ({"flash_muon": False}, "Triton kernels  off: flash_muon is false; batched torch kernels instead"),
+        ({"flash_muon": False}, "Triton kernels  off: flash_muon is false; Newton-Schulz runs batched torch kernels"),
         ({"zero_stage": 0}, "DDP under torchrun: every GPU holds the whole model and optimizer state"),
         ({"zero_stage": 1}, "ZeRO-1 under torchrun: the optimizer state is split across the GPUs"),
         ({"zero_stage": 2}, "FSDP2 under torchrun: parameters, gradients and optimizer state are"),
@@ -173,7 +197,7 @@ def test_says_what_the_run_does_on_this_machine(tmp_path, capsys, monkeypatch, c
     config["training" if "zero_stage" in change else "optimizer"].update(change)
     path = _write(tmp_path, config)
     if "zero_stage" not in change:
-        expected = "Triton kernels  off: flash_muon is false"
+        expected = "Triton kernels  off: flash_muon is false; Newton-Schulz runs batched torch kernels"
     elif device == "cuda":
         expected = f"zero_stage {stage}    {expected}"
     else:
@@ -262,14 +286,87 @@ def test_the_hints_factor_is_the_readmes():
 def test_triton_decision_follows_the_engine_condition(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
-    assert triton_decision(True, cpu) == (
-        False,
-        "off: not a CUDA GPU (deepmd's device is cpu); batched torch kernels instead",
-    )
+    assert triton_decision(True, cpu) == (False, "off: not a CUDA GPU (deepmd's device is cpu)")
     assert triton_decision(False, cpu)[1].startswith("off: flash_muon is false")
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
         on, why = triton_decision(True, torch.device("cuda", 0))
         assert on and why.startswith("on: flash_muon is true, Triton"), why
+
+
+@pytest.mark.parametrize("routing", [True, False])
+def test_without_the_kernels_one_line_says_what_orthogonalises(tmp_path, capsys, monkeypatch, routing):
+    """Where triton_decision says off (here: no CUDA GPU), one line says so and that batched torch kernels take every
+    Muon matrix (as many as the routing table lists), and no line speaks of Triton programs."""
+    from deepmd_hybridmuon import cli
+
+    monkeypatch.setattr(cli, "_training_device", lambda: torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    path = str(EXAMPLES / "input.json")
+    assert main(["check", path, "--table"] if routing else ["check", path, "--no-routing"]) == 0
+    out = capsys.readouterr().out
+    _, why = triton_decision(True, torch.device("cpu"))
+    matrices = sum(int(m.group(1)) for m in re.finditer(r" muon +(\d+)x\d+x\d+ ", out))
+    what = f"all {matrices}" if routing else "the"
+    assert f"  Triton kernels  {why}; Newton-Schulz runs batched torch kernels for {what} Muon matrices\n" in out
+    assert matrices == (8 if routing else 0)  # the example's se_e2_a: 8 weight matrices
+    assert "Triton program" not in out and "Newton-Schulz   " not in out
+
+
+def _lr_lines(tmp_path, capsys, lr: dict, steps: int) -> list[str]:
+    config = _example()
+    config["learning_rate"] = lr
+    config["training"]["numb_steps"] = steps
+    assert main(["check", "--no-routing", _write(tmp_path, config)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("learning rate: "))
+    return lines[first : first + 2]
+
+
+def test_a_stepped_schedule_says_why_it_ends_above_stop_lr(tmp_path, capsys):
+    """deepmd's stepped exp schedule reaches stop_lr at step numb_steps, one past the last: the check says so, and
+    from which step the last rate holds, as deepmd's schedule gives it."""
+    from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
+
+    lr = {"type": "exp", "start_lr": 0.03, "stop_lr": 0.0006, "decay_steps": 100}
+    schedule = make_learning_rate_schedule(lr, 2000)
+    held, last = schedule.value(1900), schedule.value(1999)
+    assert held == last < schedule.value(1899) and math.isclose(schedule.value(2000), 0.0006)  # what it explains
+    assert _lr_lines(tmp_path, capsys, lr, 2000)[1] == (
+        "  it ends above stop_lr, which is the rate at step 2,000, one past the last: the rate falls every 100 steps, "
+        f"so steps 1,900-1,999 all run at {last:.3g}"
+    )
+
+
+def test_the_decay_interval_is_the_one_deepmd_uses(tmp_path, capsys):
+    """deepmd shortens a decay_steps that is not below the run's steps; the line gives the interval that runs."""
+    from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
+
+    lr = {"type": "exp", "start_lr": 0.03, "stop_lr": 0.0006, "decay_steps": 5000}
+    every = make_learning_rate_schedule(lr, 2000).decay_steps
+    assert every == 100  # deepmd's own choice
+    line = _lr_lines(tmp_path, capsys, lr, 2000)[0]
+    assert line.endswith("; decays every 100 steps"), line
+
+
+@pytest.mark.parametrize(
+    ("lr", "said"),
+    [
+        ({"type": "exp", "start_lr": 0.03, "stop_lr": 0.0006, "decay_steps": 100, "smooth": True}, "one past the last"),
+        ({"type": "cosine", "start_lr": 0.03, "stop_lr": 0.0006}, None),
+    ],
+)
+def test_a_smooth_schedule_names_no_stairs(tmp_path, capsys, lr, said):
+    """A smooth decay ends above stop_lr without stairs; a schedule that ends at stop_lr, as far as the line's three
+    significant figures show, gets no explanation."""
+    from deepmd.dpmodel.utils.learning_rate import make_learning_rate_schedule
+
+    schedule = make_learning_rate_schedule(lr, 2000)
+    assert (f"{schedule.value(1999):.3g}" != f"{schedule.stop_lr:.3g}") == (said is not None)
+    lines = _lr_lines(tmp_path, capsys, lr, 2000)
+    if said:
+        assert lines[1] == "  it ends above stop_lr, which is the rate at step 2,000, one past the last"
+    else:
+        assert not lines[1].startswith("  it ends")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -820,14 +917,17 @@ def test_multi_task_table_marks_the_shared_descriptor(tmp_path, capsys):
 def test_the_check_counts_each_newton_schulz_path_as_the_engine_lays_it_out(tmp_path, capsys):
     """The check's count of the matrices one Triton program takes is the engine layout's (functional.on_triton)."""
     K = pytest.importorskip("deepmd_hybridmuon.kernels")
+    from deepmd_hybridmuon import cli
     from deepmd_hybridmuon import functional as F
     from deepmd_hybridmuon.engine.layout import assign
 
     config = json.loads((WATER / "se_e2_a_water.json").read_text())
     config["optimizer"] = {"type": "HybridMuon"}
-    assert main(["check", _write(tmp_path, config), "--table"]) == 0
+    with pytest.MonkeyPatch.context() as mp:  # where the kernels run (a GPU): the split between the two paths
+        mp.setattr(cli, "triton_decision", lambda flash, _: (True, "on: as on a GPU"))
+        assert main(["check", _write(tmp_path, config), "--table"]) == 0
     out = capsys.readouterr().out
-    [line] = [ln for ln in out.splitlines() if ln.startswith("  Newton-Schulz: ")]
+    [line] = [ln for ln in out.splitlines() if ln.startswith("  Newton-Schulz   ")]
     triton, _, total = line.split()[1:4]
     views = [tuple(map(int, m.groups())) for m in re.finditer(r" muon +(\d+)x(\d+)x(\d+) ", out)]
     fused, buckets = assign(views, K, True, torch.device("cuda"))

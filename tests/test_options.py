@@ -83,8 +83,18 @@ def test_the_readme_block_is_generated_from_the_table():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("<!-- options:start -->\n", 1)[1].split("\n<!-- options:end -->", 1)[0]
     assert block == options_markdown()
-    listed = [line.split("`")[1] for line in block.splitlines()[2:]]
+    cells = [line.strip("| ").split(" | ") for line in block.splitlines()[2:]]
+    listed = [c[0].split("`")[1] for c in cells if c[0] != "\N{EM DASH}"]
     assert listed == [name for name, row in INPUT_ROWS.items() if row.scope != "removed"]
+    # every keyword of the constructor that sets an option, beside the input key it comes from
+    keywords = inspect.signature(HybridMuonOptimizer).parameters
+    named: dict[str, list[str]] = {}  # keyword: its first row
+    for c in cells:
+        if c[1] != "\N{EM DASH}":
+            named.setdefault(c[1].strip("`").split("[")[0], c)
+    assert set(named) == {k for k in keywords if k in OPTION}
+    assert named["adam_betas"][0] == "`adam_beta1`" and named["lr"][0] == "\N{EM DASH}"  # dp takes lr elsewhere
+    assert named["lr"][3] == f"`{keywords['lr'].default}`" == "`0.0005`"  # the constructor's default lr
 
 
 #: A valid value other than the default, for every option of the constructor.

@@ -203,16 +203,6 @@ def test_the_disable_switch_keeps_the_builtin_for_values_that_say_off(tmp_path, 
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
 
 
-def test_readme_option_table_is_generated_from_the_schema():
-    from pathlib import Path
-
-    from deepmd_hybridmuon.schema import options_markdown
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme.split("<!-- options:start -->\n", 1)[1].split("\n<!-- options:end -->", 1)[0]
-    assert table == options_markdown()
-
-
 def test_restart_with_a_routing_that_no_longer_fits_the_state_is_refused():
     """The input's muon_mode wins over the checkpoint's; state built for another routing is caught."""
     import torch
