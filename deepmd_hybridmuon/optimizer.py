@@ -468,6 +468,9 @@ class HybridMuonOptimizer(Optimizer):
             self._optimizer_load_state_dict_pre_hooks = hooks
             self._optimizer_load_state_dict_post_hooks = post_hooks
         self._state_version += 1
+        for group in self.param_groups:  # torch keeps a saved group's every key: ZeroRedundancyOptimizer's copies of
+            for key in OPTIMIZER_KEYS & group.keys():  # the constructor's settings go, as add_param_group drops them
+                del group[key]
         self._name_from_groups(self.param_groups)  # saved with names: a parameter without one routes as it did
         for i, p in saved_params(checked["param_groups"], self.param_groups).items():
             state, saved = self.state.get(p, {}), checked["state"].get(i, {})
@@ -487,12 +490,12 @@ class HybridMuonOptimizer(Optimizer):
 
     # -------------------------------------------------------------------- step
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # imports dynamo at the first call, as torch's optimizers do, not at ours' import
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Perform one optimisation step; ``closure`` re-evaluates the loss if given.
 
-        ``torch.compile`` runs it as it is (``torch.compiler.disable``): it batches its own work into few kernels,
+        ``torch.compile`` runs it as it is (dynamo disabled): it batches its own work into few kernels,
         Triton's and CUDA graphs on a GPU, which tracing would rebuild at every change of a learning rate.
         """
         loss = None

@@ -223,8 +223,11 @@ def _check_entry(where: str, entry: Any, p: torch.Tensor) -> None:
             )
     first, second = entry.get("exp_avg"), entry.get("exp_avg_sq")
     if first is not None and first.numel() and not is_dtensor(first) and not is_dtensor(second):
-        ratio = float((first.double().abs() / (second.double().sqrt() + F.ADAM_EPS)).amax())
-        if ratio > ADAM_RATIO_LIMIT:
+        # float32, two temporaries (inf where the ratio passes float32's range, which refuses it too)
+        denom = second.to(device=first.device, dtype=torch.float32).sqrt().add_(F.ADAM_EPS)
+        ratio = float(first.to(torch.float32).abs().div_(denom).amax())
+        if ratio > ADAM_RATIO_LIMIT:  # refused: the figure for the message in float64
+            ratio = float((first.double().abs() / denom.double()).amax())
             raise ValueError(
                 f"Invalid state exp_avg of {where}: |exp_avg| / (sqrt(exp_avg_sq) + {F.ADAM_EPS:g}) reaches "
                 f"{ratio:.3g}; expected at most {ADAM_RATIO_LIMIT:.3g}, what a run can reach (exp_avg is a blend of "

@@ -12,7 +12,6 @@ import inspect
 import math
 import numbers
 import reprlib
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -116,8 +115,11 @@ def check_option(option: Option, value: Any, key: str | None = None) -> None:
         scalar = tensor and value.numel() == 1 and not (value.requires_grad or value.is_meta or value.is_complex())
         if not scalar and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
             raise ValueError(f"Invalid {key}: {_short(value)}; expected a real number")
-        huge = isinstance(value, int) and abs(value) > sys.float_info.max  # 10**400: no float
-        number, low, high = math.inf if huge else float(value), option.low, option.high
+        try:
+            number = float(value)
+        except OverflowError:  # 10**400, a Fraction beyond float's range: no float
+            number = math.inf
+        low, high = option.low, option.high
         if not math.isfinite(number):
             raise ValueError(f"Invalid {key}: {_short(value)}; expected a finite number")
         if 0 < number < option.least:

@@ -1110,3 +1110,29 @@ def test_a_load_post_hook_edit_survives(dtype):
     opt.register_load_state_dict_post_hook(edit)
     opt.load_state_dict(saved)
     assert torch.equal(opt.state[named[1][1]]["exp_avg"], torch.full((4,), 0.25))
+
+
+# --- review of round three
+
+
+def test_a_zero1_checkpoints_groups_resume_without_zero1():
+    # ZeroRedundancyOptimizer writes the constructor's settings into its groups, and so into every ZeRO-1 checkpoint;
+    # torch's load keeps a saved group's keys. Resumed on one GPU (or DDP, FSDP2) they must not stop the step.
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    p.grad = torch.randn(4, 3)
+    opt = HybridMuonOptimizer([p], lr=1e-3)
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][0].update(flash_muon=True, nonfinite_across_ranks=True, use_foreach=None)
+    resumed = HybridMuonOptimizer([p], lr=1e-3)
+    resumed.load_state_dict(saved)
+    resumed.step()
+    assert not {"flash_muon", "nonfinite_across_ranks", "use_foreach"} & resumed.param_groups[0].keys()
+
+
+def test_a_learning_rate_beyond_floats_range_of_any_real_type_names_key_and_value():
+    import fractions
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    with pytest.raises(ValueError, match=r"Invalid lr: .*expected a finite number"):
+        HybridMuonOptimizer([p], lr=fractions.Fraction(10**400))

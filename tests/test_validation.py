@@ -287,3 +287,12 @@ def test_import_has_no_side_effects() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_import_loads_neither_triton_nor_dynamo() -> None:
+    # Every `dp` command imports the plugin: Triton and dynamo (with inductor and sympy) cost about 2 s there, and
+    # load only where a step runs.
+    code = "import deepmd_hybridmuon, sys; print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
