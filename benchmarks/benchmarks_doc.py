@@ -739,9 +739,10 @@ def readme_claims() -> list[str]:
     spb = [r["spb"]["ours"] / r["spb"]["adamw"] for r in fsdp]
     host = {v: [r["clocks"][v][1] for r in fsdp] for v in ("ours", "adamw")}
     multi = {v: [run_spb(n) for u, n in MULTITASK_E2E if u == v] for v in ("old", "new")}
-    steps = {m: step_medians(STEP, m) for m in load(STEP)["configs"]}
-    vs_fused = [s["ours"] / s["adamw"] for s in steps.values()]
-    of_batch = [steps[r["model"]]["ours"] / 1000 / r["ours"][0] for r in e2e]  # the step's share of a batch
+    guarded = load(_guard_files("gpu")[-1])["rows"]  # the step at HEAD: the newest guard run, every round
+    vs_fused = [v for m in GUARD_MODELS for v in guarded[f"{m}/ours\N{DIVISION SIGN}adamw step_ms"]["HEAD"]]
+    step_ms = {m: max(guarded[f"{m}/ours step_ms"]["HEAD"]) for m in GUARD_MODELS}
+    of_batch = [step_ms[r["model"]] / 1000 / r["ours"][0] for r in e2e]  # the step's share of a batch
     peaks = {  # a whole dp --pt train run's peak memory, by optimizer
         r["variant"]: r["max_memory_allocated_mib"]
         for name in memory_files()
