@@ -1178,7 +1178,7 @@ def _owner(owner_runs: dict[int, _Run], world: int, rank: int = 0) -> dict:
 def test_fsdp2_owner_matches_one_process(owner_runs: dict[int, _Run], world: int, label: str, monkeypatch) -> None:
     """2-D, 3-D slice, flat, AdamW, Adam and grad-less parameters, Gram and Magma on, against one process."""
     if OWNERS_KERNELS == "triton":  # the kernels compute the GPU's arithmetic: so does the reference
-        monkeypatch.setattr(F, "BFLOAT16_ONLY_DEVICES", frozenset())
+        monkeypatch.setattr(F, "STANDARD_FORM_DEVICES", frozenset())
     res = _owner(owner_runs, world)
     shapes = res[f"{label}/1/local_shapes"]
     assert any(s["blocks.0.p.tiny"][0] == 0 for s in shapes) == (world > 2)  # empty shards
