@@ -422,6 +422,13 @@ def test_magma_segment_sums_span_several_blocks(monkeypatch, parts: int) -> None
     got = segments.sums(lambda part: values[part].unbind(1), 3)
     # float64, sums of a few thousand O(1) values in another order: agree to ~1e-13
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    # Magma's sums: on the CPU three dot products per segment, elsewhere these two passes; the same float64 sums of
+    # exact products (float32 inputs), added in another order: a few float64 roundings of sums up to ~1e4.
+    m, g = values[:, 0].float(), values[:, 1].float()
+    dots = F.magma_segment_sums(m, g, segments)
+    monkeypatch.setattr(F, "SEGMENT_SUM_DEVICES", frozenset({"cpu"}))
+    torch.testing.assert_close(dots, F.magma_segment_sums(m, g, segments), rtol=0, atol=1e-10)
+    assert not dots[4].any()  # the empty matrix
 
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
