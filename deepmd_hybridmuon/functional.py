@@ -313,15 +313,19 @@ def pow2_downscale(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
     return torch.where(big, amax / (2 * mantissa), 1).reciprocal()
 
 
-def newton_schulz(G: torch.Tensor, schedule: tuple[tuple[float, float, float], ...] | None = None) -> torch.Tensor:
-    """Approximate polar factor of each matrix of ``G`` (shape ``(batch, m, n)``), in bfloat16.
+def newton_schulz(
+    G: torch.Tensor,
+    schedule: tuple[tuple[float, float, float], ...] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Approximate polar factor of each matrix of ``G`` (shape ``(batch, m, n)``), in ``dtype`` (bfloat16).
 
     X0 = G / ||G||_F (per matrix, wide orientation), then X <- a X + (b A + c A^2) X with A = X X^T for every row
     (a, b, c) of ``schedule`` (default :func:`standard_schedule`). Zero rows or columns stay zero, so zero padding
     commutes with this function. Each matrix is first divided by a power of two (:func:`pow2_downscale`) so that its
     norm cannot overflow: exact, and the identity for matrices whose entries are all below 2 in magnitude.
     """
-    X = (G * pow2_downscale(G, (-2, -1))).to(torch.bfloat16)
+    X = (G * pow2_downscale(G, (-2, -1))).to(dtype)
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
@@ -384,41 +388,42 @@ def on_triton(rows: int) -> bool:
     return rows <= TRITON_MAX_ROWS
 
 
-#: Device types where, with ``enable_gram``, every matrix runs the Gram schedule in the standard form, in bfloat16
-#: (:func:`gram_form`): on the CPUs measured (Xeon with AMX) float16 products run at float32's speed and bfloat16 ones
-#: several times faster, and products are the step's cost, so square matrices take its five iterations too.
-#: The tests that compare the GPU's kernels under Triton's interpreter empty it.
-BFLOAT16_ONLY_DEVICES: frozenset[str] = frozenset({"cpu"})
+#: Device types where the Gram schedule's matrices run its polynomials in the standard form, in float32
+#: (:func:`gram_form`), where a GPU runs the Gram form in float16. The CPU has no fast float16 products, and bfloat16
+#: products (the fast ones there) round the steep Polar Express polynomials too coarsely: 4 % from deepmd-kit's
+#: built-in after six steps on DPA-2 small, where float32 stays within 0.7 % of it (float16's Gram form: 0.6 %). The
+#: tests that compare the GPU's kernels under Triton's interpreter empty it.
+STANDARD_FORM_DEVICES: frozenset[str] = frozenset({"cpu"})
 
 
 def gram_form(device: torch.device) -> bool:
-    """Whether rectangular matrices with ``enable_gram`` take :func:`gram_newton_schulz` on ``device`` (float16).
+    """Whether the Gram schedule's matrices take :func:`gram_newton_schulz` on ``device`` (float16).
 
-    Not on :data:`BFLOAT16_ONLY_DEVICES` (the CPU): there they run the Gram schedule's polynomials (the same map in
-    exact arithmetic) by :func:`newton_schulz` in bfloat16, whose rounding is that of the standard path, and so do
-    the square matrices (five iterations instead of the standard ten).
+    Not on :data:`STANDARD_FORM_DEVICES` (the CPU): there they run the same polynomials (the same map in exact
+    arithmetic) by :func:`newton_schulz` in float32.
     """
-    return device.type not in BFLOAT16_ONLY_DEVICES
+    return device.type not in STANDARD_FORM_DEVICES
 
 
-def takes_gram(rows: int, cols: int, use_gram: bool, device: torch.device) -> bool:
-    """Whether a ``rows x cols`` matrix takes the Gram schedule, else the standard one.
+def takes_gram(rows: int, cols: int, use_gram: bool) -> bool:
+    """Whether a ``rows x cols`` matrix takes the Gram schedule (rectangular, with ``use_gram``), else the standard.
 
-    The one rule, read by :func:`orthogonalize` and the engine's layout. With ``use_gram``: rectangular
-    matrices, and where :func:`gram_form` says no (the CPU) square ones too.
+    The one rule, the same on every device (a square matrix's result never depends on ``use_gram``, as in
+    deepmd-kit's built-in), read by :func:`orthogonalize` and the engine's layout.
     """
-    return use_gram and (rows != cols or not gram_form(device))
+    return use_gram and rows != cols
 
 
 def orthogonalize(G: torch.Tensor, use_gram: bool) -> torch.Tensor:
     """Orthogonalise a ``(batch, m, n)`` stack into a new tensor, leaving ``G`` as it was (it may be a live buffer).
 
     The matrices :func:`takes_gram` names take the Gram schedule: by :func:`gram_newton_schulz` where
-    :func:`gram_form` says so, else its polynomials by :func:`newton_schulz`; the others the bfloat16 standard path.
+    :func:`gram_form` says so, else its polynomials by :func:`newton_schulz` in float32; the others the bfloat16
+    standard path.
     """
-    if not takes_gram(G.size(-2), G.size(-1), use_gram, G.device):
+    if not takes_gram(G.size(-2), G.size(-1), use_gram):
         return newton_schulz(G)
-    return gram_newton_schulz(G) if gram_form(G.device) else newton_schulz(G, gram_schedule().coeffs)
+    return gram_newton_schulz(G) if gram_form(G.device) else newton_schulz(G, gram_schedule().coeffs, torch.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -595,12 +600,14 @@ class Segments:
     Segment ``i`` holds ``lengths[i]`` elements of matrix ``matrix[i]`` (of ``count``); several segments may belong
     to one matrix (FSDP2's shards) and a matrix may have none. The device's way to Magma's sums: a few kernels for
     the whole buffer, where one set per matrix would be hundreds (on the CPU, torch's ``segment_reduce`` is slower
-    than summing each parameter's rows). The first pass sums blocks of at most :data:`SEGMENT_BLOCK` elements, part
-    by part of the buffer (:data:`SEGMENT_PART`); the second adds each segment's blocks.
+    than summing each segment alone: :attr:`bounds`). The first pass sums blocks of at most :data:`SEGMENT_BLOCK`
+    elements, part by part of the buffer (:data:`SEGMENT_PART`); the second adds each segment's blocks.
     """
 
     def __init__(self, lengths: list[int], matrix: list[int], count: int, device: torch.device) -> None:
         self.count = count
+        # (start, length) of each segment
+        self.bounds = list(zip(itertools.accumulate(lengths, initial=0), lengths, strict=False))
         self.matrix = torch.tensor(matrix, dtype=torch.long, device=device)
         cut = [-(-n // SEGMENT_BLOCK) for n in lengths]
         fine = [min(SEGMENT_BLOCK, n - b * SEGMENT_BLOCK) for n, k in zip(lengths, cut, strict=True) for b in range(k)]
@@ -628,9 +635,13 @@ class Segments:
                 for part, n in self.parts
             ]
             pieces = torch.segment_reduce(torch.cat(first), "sum", lengths=self.coarse, axis=0, unsafe=True)
+        return self.per_matrix(pieces)
+
+    def per_matrix(self, pieces: torch.Tensor) -> torch.Tensor:
+        """Each segment's row of ``pieces`` ``(segments, width)`` added into its matrix's: ``(count, width)``."""
         if self.identity:
             return pieces
-        return pieces.new_zeros((self.count, width)).index_copy_(0, self.matrix, pieces)
+        return pieces.new_zeros((self.count, pieces.size(1))).index_copy_(0, self.matrix, pieces)
 
 
 def magma_segment_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -639,8 +650,15 @@ def magma_segment_sums(momentum: torch.Tensor, grad: torch.Tensor, segments: Seg
     Unscaled, so that the sums of several pieces of a matrix (FSDP2's shards) add up: float64 for inputs of at most
     32 bits cannot overflow (a product of two finite float32 numbers, or a sum of 2^700 of them, is finite, and
     float32's smallest numbers square to normal float64 ones); float64 inputs are below :data:`GRAD_LIMIT`. One
-    float64 buffer per part of :class:`Segments`, rewritten for each sum.
+    float64 buffer per part of :class:`Segments`, rewritten for each sum; off :data:`SEGMENT_SUM_DEVICES` (the CPU:
+    FSDP2's owners) three float64 dot products per segment, several times faster there.
     """
+    if momentum.device.type not in SEGMENT_SUM_DEVICES:
+        rows = [
+            torch.stack([torch.dot(m, g), torch.dot(m, m), torch.dot(g, g)])
+            for m, g in ((momentum[i : i + n].double(), grad[i : i + n].double()) for i, n in segments.bounds)
+        ]
+        return segments.per_matrix(torch.stack(rows) if rows else momentum.new_zeros((0, 3), dtype=torch.float64))
 
     def columns(part: slice) -> Iterator[torch.Tensor]:
         m, g = momentum[part], grad[part]

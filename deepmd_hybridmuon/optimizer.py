@@ -190,9 +190,9 @@ class HybridMuonOptimizer(Optimizer):
       (3.4445, -4.7750, 2.0315) and 2 with (2, -1.5, 0.5).
     * NS, Gram path (``enable_gram`` and a non-square matrix): float32 normalisation,
       float16 iteration on the Gram matrix with the five Polar Express steps (safety
-      factor 1.05), restarted before the third step. On the CPU, where bfloat16 products
-      are the fast ones, the same five polynomials in the standard form, bfloat16, for
-      square matrices too (with ``enable_gram``).
+      factor 1.05), restarted before the third step. On the CPU (no fast float16 products)
+      the same five polynomials in the standard form, float32. Square matrices take the
+      standard path on every device, whatever ``enable_gram``.
     * :math:`s = c\sqrt{\max(m, n)}` with ``lr_adjust_coeff`` :math:`c` when
       ``lr_adjust <= 0``; :math:`s = \sqrt{\max(1, m/n)}` otherwise.
     * :math:`d` (Magma-lite, ``magma_muon``): per matrix, :math:`r =`

@@ -167,8 +167,8 @@ OPTIONS: tuple[Option, ...] = (
         (bool,),
         True,
         "Gram Newton-Schulz (Polar Express coefficients, fp16) for rectangular matrices; "
-        "square ones keep the bf16 standard iteration. On the CPU, where bf16 products are the fast ones, the same "
-        "five polynomials run in the bf16 standard form, for square matrices too.",
+        "square ones keep the bf16 standard iteration, on every device. On the CPU (no fast fp16 products) the same "
+        "five polynomials run in the fp32 standard form.",
         effect="build",
     ),
     Option(

@@ -301,7 +301,7 @@ def interpreter_workarounds() -> pytest.MonkeyPatch:
     mp.setattr(interpreter, "_patch_lang_tensor", patch)
     mp.setattr(K.common, "STANDARD_WORK_DTYPE", torch.float16)
     mp.setattr(compilation, "INTERPRETER_ON_CPU", True)  # the package's kernels on the CPU, with these workarounds
-    mp.setattr(F, "BFLOAT16_ONLY_DEVICES", frozenset())  # the oracle computes the GPU's arithmetic, as the kernels do
+    mp.setattr(F, "STANDARD_FORM_DEVICES", frozenset())  # the oracle computes the GPU's arithmetic, as the kernels do
     return mp
 
 

@@ -1178,7 +1178,7 @@ def _owner(owner_runs: dict[int, _Run], world: int, rank: int = 0) -> dict:
 def test_fsdp2_owner_matches_one_process(owner_runs: dict[int, _Run], world: int, label: str, monkeypatch) -> None:
     """2-D, 3-D slice, flat, AdamW, Adam and grad-less parameters, Gram and Magma on, against one process."""
     if OWNERS_KERNELS == "triton":  # the kernels compute the GPU's arithmetic: so does the reference
-        monkeypatch.setattr(F, "BFLOAT16_ONLY_DEVICES", frozenset())
+        monkeypatch.setattr(F, "STANDARD_FORM_DEVICES", frozenset())
     res = _owner(owner_runs, world)
     shapes = res[f"{label}/1/local_shapes"]
     assert any(s["blocks.0.p.tiny"][0] == 0 for s in shapes) == (world > 2)  # empty shards
@@ -1216,6 +1216,25 @@ def test_fsdp2_owner_plan_and_transport(owner_runs: dict[int, _Run], world: int)
                 r = _owner(owner_runs, world, rank)
                 assert r[f"{key}/transport_owned_exact"] and r[f"{key}/transport_back_exact"], (key, rank)
                 assert [kind for kind, _ in r[f"{key}/transport_trace"]] == ["all_to_all", "all_to_all"]
+
+
+@pytest.mark.parametrize("use_gram", [True, False])
+def test_owner_plan_counts_each_schedules_iterations(use_gram: bool) -> None:
+    """The owners' balance counts iterations: a square matrix's ten standard ones cost twice the Gram schedule's five.
+
+    One (16, 16) matrix and two (8, 64) ones, all of 16 * 16 * 16 = 8 * 64 * 8 products' flops per iteration: with
+    ``enable_gram`` the square one alone weighs as much as both rectangular ones, so it is owned alone; without it
+    every matrix takes the standard schedule and three equal costs split two and one.
+    """
+    from deepmd_hybridmuon.distributed import build_plan
+
+    shapes = [(16, 16), (8, 64), (8, 64)]
+    entries = [(i, s, F.route_parameter(f"w{i}", s, "slice")) for i, s in enumerate(shapes)]
+    plan = build_plan(entries, 2, use_gram)
+    square, *rect = (owners[0] for owners in plan.owners)
+    assert (square not in rect) == use_gram, plan.owners
+    share = (1, 2) if use_gram else (2, 3)  # the larger rank's part of the whole load
+    assert max(plan.load) * share[1] == sum(plan.load) * share[0], plan.load
 
 
 @pytest.mark.parametrize("world", OWNER_WORLDS)

@@ -210,29 +210,30 @@ def test_gram_newton_schulz_iterates_over_its_schedule(restarts: tuple[int, ...]
 
 @pytest.mark.parametrize("shape", RECT_SHAPES, ids=str)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_cpu_runs_the_gram_polynomial_in_bfloat16(shape: tuple[int, int, int], seed: int) -> None:
+def test_the_cpu_runs_the_gram_polynomial_in_float32(shape: tuple[int, int, int], seed: int) -> None:
     G = random_matrices(shape, seed)
     Y = F.orthogonalize(G, use_gram=True)
-    assert not F.gram_form(G.device) and Y.dtype == torch.bfloat16
-    # The Gram path's polynomial (its singular values and band, as above), rounded like the standard path:
-    # five bfloat16 steps, each leaving ~2^-8, amplified by the steep first Polar Express steps (slope ~7.9
-    # near 0). Measured <= 0.021 on these matrices (the float16 Gram form: <= 9.0e-3); ten bfloat16 units,
-    # 0.039, leave a factor of about two.
-    assert rel_fro(Y, spectral_prediction(G, list(F.POLAR_EXPRESS_COEFFS))) <= 10 * BF16_U
+    assert not F.gram_form(G.device) and Y.dtype == torch.float32
+    # The Gram path's polynomial (its singular values and band, as above) in the standard form in float32: five
+    # steps, each rounding at 2^-24, amplified by the steep first Polar Express steps (slope ~7.9 near 0).
+    # Measured <= 2.0e-6 on these matrices; 2^-17 (7.6e-6) leaves a factor of about four.
+    assert rel_fro(Y, spectral_prediction(G, list(F.POLAR_EXPRESS_COEFFS))) <= 2.0**-17
 
 
 def test_orthogonalize_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     rect = random_matrices((2, 8, 12), seed=3)
     square = random_matrices((2, 8, 8), seed=3)
-    # On the CPU (no float16 hardware) the Gram schedule runs in the standard form, for square matrices too
-    for G in (rect, square):
-        assert torch.equal(F.orthogonalize(G, use_gram=True), F.newton_schulz(G, F.gram_schedule().coeffs))
-        assert torch.equal(F.orthogonalize(G, use_gram=False), F.newton_schulz(G))
-    monkeypatch.setattr(F, "BFLOAT16_ONLY_DEVICES", frozenset())  # as on a GPU
+    # On the CPU (no fast float16 products) the Gram schedule runs in the standard form, in float32
+    assert torch.equal(
+        F.orthogonalize(rect, use_gram=True), F.newton_schulz(rect, F.gram_schedule().coeffs, torch.float32)
+    )
+    monkeypatch.setattr(F, "STANDARD_FORM_DEVICES", frozenset())  # as on a GPU
     assert torch.equal(F.orthogonalize(rect, use_gram=True), F.gram_newton_schulz(rect))
-    assert torch.equal(F.orthogonalize(rect, use_gram=False), F.newton_schulz(rect))
-    # There square matrices always take the standard path.
-    assert torch.equal(F.orthogonalize(square, use_gram=True), F.newton_schulz(square))
+    for gpu in (False, True):  # square matrices take the standard path whatever enable_gram, on every device
+        monkeypatch.setattr(F, "STANDARD_FORM_DEVICES", frozenset() if gpu else frozenset({"cpu"}))
+        assert torch.equal(F.orthogonalize(rect, use_gram=False), F.newton_schulz(rect))
+        assert torch.equal(F.orthogonalize(square, use_gram=True), F.newton_schulz(square))
+        assert torch.equal(F.orthogonalize(square, use_gram=False), F.newton_schulz(square))
 
 
 # ----------------------------------------------------------------------------- padding, batches, zeros
@@ -421,6 +422,13 @@ def test_magma_segment_sums_span_several_blocks(monkeypatch, parts: int) -> None
     got = segments.sums(lambda part: values[part].unbind(1), 3)
     # float64, sums of a few thousand O(1) values in another order: agree to ~1e-13
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    # Magma's sums: on the CPU three dot products per segment, elsewhere these two passes; the same float64 sums of
+    # exact products (float32 inputs), added in another order: a few float64 roundings of sums up to ~1e4.
+    m, g = values[:, 0].float(), values[:, 1].float()
+    dots = F.magma_segment_sums(m, g, segments)
+    monkeypatch.setattr(F, "SEGMENT_SUM_DEVICES", frozenset({"cpu"}))
+    torch.testing.assert_close(dots, F.magma_segment_sums(m, g, segments), rtol=0, atol=1e-10)
+    assert not dots[4].any()  # the empty matrix
 
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]

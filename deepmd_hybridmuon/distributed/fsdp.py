@@ -249,14 +249,15 @@ class ShardedEngine(GroupEngine):
     def _batched(self, group: dict[str, Any], inputs: StepInputs, shared_gate: bool, flash_muon: bool) -> BatchedStep:
         index = {id(p): i for i, p in enumerate(self.group_params)}
         mesh, dim = mesh_of([p for p, _ in self.active])
-        self.plan = build_plan([(index[id(p)], tuple(p.shape), r) for p, r in self.active], mesh.size(dim))
+        settings = F.GroupSettings.of(group)
+        entries = [(index[id(p)], tuple(p.shape), r) for p, r in self.active]
+        self.plan = build_plan(entries, mesh.size(dim), settings.use_gram)
         device = self.layout.device
         self.exchange = ex = _Exchange(self.plan, mesh.get_local_rank(dim), device)
         # The exchange's local buffer is the layout's flat Muon buffers: the same parameters, in the same order.
         assert ex.lengths == [t.numel() for t, _ in self.layout.muon]
         # The owners' Triton launches, once compiled; until then the torch path, and the engine is rebuilt then
         # (outdated), as the one-process engine is.
-        settings = F.GroupSettings.of(group)
         scales = local.OwnedScales(ex.groups, settings, device)
         self.kernels, self.compiling = local.owned_kernels(
             ex.groups, scales.first, device, self.layout.dtype, settings.use_gram, flash_muon

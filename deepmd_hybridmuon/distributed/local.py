@@ -80,7 +80,7 @@ def owned_kernels(
     if not (flash_muon and groups and wire_dtype(dtype) == dtype and compilation.triton_runs_on(device)):
         return None, None
     K = compilation.kernels()
-    fused, _ = assign([(g.count, g.rows, g.cols) for g in groups], K, use_gram, device)
+    fused, _ = assign([(g.count, g.rows, g.cols) for g in groups], K, use_gram)
     ready = compilation.request(device, dtype, [(f.use_gram, f.rows, f.cols) for f in fused]) if fused else None
     if ready is None or not ready.is_set():
         return None, ready

@@ -126,13 +126,20 @@ class Plan:
         return tuple(p for p in self.params if p.route == "muon")
 
 
-def ns_cost(rows: int, cols: int) -> int:
-    """Newton–Schulz cost of one matrix: ``rows * cols * min(rows, cols)`` (the products' flops, up to a constant)."""
-    return rows * cols * min(rows, cols)
+def ns_cost(rows: int, cols: int, use_gram: bool = False) -> int:
+    """Newton–Schulz cost of one matrix: its schedule's iterations x ``rows * cols * min(rows, cols)``.
+
+    The products' flops, up to a constant: the standard schedule has ten iterations, the Gram schedule
+    (:func:`functional.takes_gram`, with ``use_gram``) five.
+    """
+    gram = F.takes_gram(rows, cols, use_gram)
+    return len(F.gram_schedule().coeffs if gram else F.standard_schedule()) * rows * cols * min(rows, cols)
 
 
-def build_plan(entries: Sequence[tuple[int, tuple[int, ...], F.ParamRoute]], world: int) -> Plan:
-    """The plan of a group from ``(index, global shape, route)`` of its active parameters.
+def build_plan(
+    entries: Sequence[tuple[int, tuple[int, ...], F.ParamRoute]], world: int, use_gram: bool = False
+) -> Plan:
+    """The plan of a group from ``(index, global shape, route)`` of its active parameters, and ``enable_gram``.
 
     Owners: matrices sorted by decreasing :func:`ns_cost` (ties: parameter order, then
     matrix index), each given to the least loaded rank (ties: the lowest rank). Greedy
@@ -148,7 +155,7 @@ def build_plan(entries: Sequence[tuple[int, tuple[int, ...], F.ParamRoute]], wor
     for k, p in enumerate(q for q in params if q.route == "muon"):
         assert p.view is not None
         bs, rows, cols = p.view
-        matrices.extend((-ns_cost(rows, cols), k, j) for j in range(bs))
+        matrices.extend((-ns_cost(rows, cols, use_gram), k, j) for j in range(bs))
     matrices.sort()
     load = [0] * world
     owner: dict[tuple[int, int], int] = {}

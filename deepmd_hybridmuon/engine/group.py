@@ -118,7 +118,7 @@ class GroupEngine:
             return None, None
         K = compilation.kernels()
         views = [r.view for r in routes if r.route == "muon"]
-        paths = [(f.use_gram, f.rows, f.cols) for f in assign(views, K, bool(group["enable_gram"]), device)[0]]
+        paths = [(f.use_gram, f.rows, f.cols) for f in assign(views, K, bool(group["enable_gram"]))[0]]
         ready = compilation.request(device, dtype, paths)
         if ready is None or not ready.is_set():  # compiling, or a kernel failed to compile
             return None, ready

@@ -64,9 +64,7 @@ class Fused:
     coefs: torch.Tensor | None = None
 
 
-def assign(
-    views: list[tuple[int, int, int]], K: ModuleType | None, use_gram: bool, device: torch.device
-) -> tuple[list[Fused], list[Bucket]]:
+def assign(views: list[tuple[int, int, int]], K: ModuleType | None, use_gram: bool) -> tuple[list[Fused], list[Bucket]]:
     """Group the Muon matrices (``(batch, rows, cols)`` per parameter, in flat order) into paths.
 
     With the kernels module ``K``: one program per matrix where ``functional.on_triton`` says so; the rest
@@ -76,7 +74,7 @@ def assign(
     buckets: dict[tuple[bool, int, int], Bucket] = {}
     offset = block = 0
     for bs, rows, cols in views:
-        gram = F.takes_gram(rows, cols, use_gram, device)
+        gram = F.takes_gram(rows, cols, use_gram)
         small, large = min(rows, cols), max(rows, cols)
         if K is not None and F.on_triton(small):  # one launch per iteration and residency
             f = fused.setdefault((gram, K.resident(small, large)), Fused(gram))
@@ -221,7 +219,7 @@ class Layout:
             adopt(state, keys, "magma_score", self.scores.split([bs for bs, _, _ in views]), reshape=False)
 
         # Each matrix goes to a Triton launch (with the kernels) or to a stack of the torch path.
-        fused, buckets = assign(views, K, bool(group["enable_gram"]), self.device) if paths else ([], [])
+        fused, buckets = assign(views, K, bool(group["enable_gram"])) if paths else ([], [])
         for f in fused:
             build_fused(K, f, self.device)
         self.fused_paths = fused
@@ -237,8 +235,8 @@ class Layout:
 
     def _build_bucket(self, b: Bucket) -> None:
         """A torch bucket's views of the flat buffer, its input dtype and its blocks' indices."""
-        # float32 for the Gram form, bfloat16 for the standard one (functional.gram_form): the stack converts
+        # float32 for the Gram schedule (either form), bfloat16 for the standard one: the stack converts
         # as it is made, as the reference's first ``.to`` would
-        b.dtype = torch.float32 if b.use_gram and F.gram_form(self.device) else torch.bfloat16
+        b.dtype = torch.float32 if b.use_gram else torch.bfloat16
         b.views = [self.muon_grad[off : off + bs * b.rows * b.cols].view(bs, b.rows, b.cols) for off, bs in b.members]
         b.block_ids = torch.tensor(b.blocks, dtype=torch.int64, device=self.device)
