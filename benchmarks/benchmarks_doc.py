@@ -433,7 +433,7 @@ def step_medians(name: str, config: str) -> dict[str, float]:
 
 def _guard_files(kind: str) -> list[str]:
     """The guard's results of ``kind`` (``gpu`` or ``cpu``), oldest first: the newest is the one shown."""
-    return [p.name for p in sorted(RESULTS.glob(f"guard/guard_{kind}_*.json"))]
+    return sorted((p.name for p in RESULTS.glob(f"guard/guard_{kind}_*.json")), key=lambda name: load(name)["date"])
 
 
 def _rounds(values: list[float] | None, digits: int) -> str:

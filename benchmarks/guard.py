@@ -288,7 +288,7 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--parallel", action="store_true", help="a round's jobs side by side, one GPU each")
     parser.add_argument("--out", type=Path, help="a JSON file: every round of every row, machine, date, commits")
-    parser.add_argument("--commit", help="HEAD's commit where git cannot tell (the device machine)")
+    parser.add_argument("--commit", help="HEAD's commit, where git does not know it (the device machine)")
     parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -335,7 +335,7 @@ def main() -> int:
     side = f", {len(jobs)} jobs side by side, one GPU each" if cuda and args.parallel and gpus >= len(jobs) else ""
     machine = f"{gpus} x {torch.cuda.get_device_name()}{side}" if cuda else f"CPU, {os.cpu_count()} cores, 1 thread"
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    head = git.strip() or args.commit or "not recorded"
+    head = args.commit or git.strip() or "not recorded"  # the device machine's copy has the session's first commit
     print(f"HEAD {head} against {ref}, {machine}, {started}, {args.rounds} rounds\n\n{table(results)}")
     if args.out:
         # the command as run from the repository (a path outside it, such as the device's $OUT, by its name)

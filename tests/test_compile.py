@@ -378,7 +378,7 @@ def test_each_matrix_has_one_path_for_the_layout_and_the_registry(use_gram, rows
     from deepmd_hybridmuon.engine.layout import assign
 
     assert F.on_triton(min(rows, cols)) == triton
-    fused, buckets = assign([(1, rows, cols)], K, use_gram, torch.device("cpu"))
+    fused, buckets = assign([(1, rows, cols)], K, use_gram)
     assert (len(fused), len(buckets)) == (triton, not triton)
     if triton:
         assert K.compile._launch_key(use_gram, rows, cols)[0] == "ns"
