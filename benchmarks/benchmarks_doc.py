@@ -767,6 +767,9 @@ def readme_claims() -> list[str]:
         f"DPA-2 small, whose batch is three times shorter: {d2['ours'][0] / d2['adamw'][0]:.2f}{TIMES} AdamW's",
         f"{min(vs_builtin):.2f}{DASH}{max(vs_builtin):.2f}{TIMES} the time of deepmd-kit's built-in HybridMuon",
         f"{ours3:.2f} ms against the built-in's {builtin3:.0f} ms",
+        "at this release {:.2f}{}{:.2f} ms on an H200".format(
+            min(guarded["dpa3_water/ours step_ms"]["HEAD"]), DASH, max(guarded["dpa3_water/ours step_ms"]["HEAD"])
+        ),
         f"about {max(of_batch) * 100:.0f} % of a batch, is slower than PyTorch's AdamW step (`fused=True`): "
         f"{min(vs_fused):.2f}{DASH}{max(vs_fused):.2f}{TIMES} its time",
         f"peak memory is {peaks['ours'] / peaks['adamw']:.2f}{TIMES} that of the same run with AdamW",
