@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -188,3 +189,26 @@ def test_the_measurements_stay_as_small_as_their_questions():
     scripts = [p for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")]
     assert len(scripts) <= 10
     assert sum(len(p.read_text().splitlines()) for p in scripts) <= 3000
+
+
+def test_the_examples_learning_rate_table_is_its_results_file():
+    # The sweep of examples/README.md, row by row as recorded (transcribed where it was first reported).
+    data = json.loads((ROOT / "benchmarks/results/quality/example_lr_sweep_2026-11-22.json").read_text())
+    readme = (ROOT / "examples" / "README.md").read_text()
+    rows = [f"| {r['optimizer']} | {r['schedule']} | {r['final_rmse_f_val']} |" for r in data["rows"]]
+    assert len(rows) == 12 and all(row in readme for row in rows)
+    assert "`benchmarks/results/quality/example_lr_sweep_2026-11-22.json`" in readme
+
+
+def test_the_examples_data_table_is_what_make_data_writes(tmp_path):
+    # examples/README.md's table of the bundled data, from make_data.py's defaults (seeded): it writes the same data
+    # everywhere. About 10 s on 2 cores.
+    script = ROOT / "examples" / "make_data.py"
+    out = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = (ROOT / "examples" / "README.md").read_text().splitlines()
+    for name in ("train", "valid"):
+        stats = rf"{name}: (\d+) frames .*\n  E/atom (\S+) \.\. (\S+) eV .*force std (\S+) eV/A, max \|F\| (\S+) eV/A"
+        frames, low, high, std, peak = re.search(stats, out.stdout).groups()
+        [row] = [line for line in lines if line.startswith(f"| `data/{name}` | {frames}")]
+        assert row.endswith(f"| {float(low):.2f} … {float(high):.2f} | {float(std):.2f} | {float(peak):.1f} |"), row
