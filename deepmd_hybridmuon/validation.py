@@ -123,7 +123,7 @@ def check_option(option: Option, value: Any, key: str | None = None) -> None:
         if not math.isfinite(number):
             raise ValueError(f"Invalid {key}: {_short(value)}; expected a finite number")
         if 0 < number < option.least:
-            raise ValueError(f"Invalid {key}: {value!r}; {option.allowed}")
+            raise ValueError(f"Invalid {key}: {_short(value)}; {option.allowed}")
         if number < low or (high is not None and (number >= high if option.high_open else number > high)):
             upper = "inf)" if high is None else f"{high:g}{')' if option.high_open else ']'}"
             raise ValueError(f"Invalid {key}: {value!r}; expected a value in [{low:g}, {upper}")
